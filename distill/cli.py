@@ -1,0 +1,120 @@
+"""``draftsmith <stage> [hydra overrides]``: picks the stage, hands the rest to Hydra.
+
+Everything after the stage name is a Hydra override (``distill.lr=3e-4``,
+``experiment=quick``, ``-m`` for sweeps, ``--help``, ``--cfg job``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from distill.config import STAGES, register_configs, to_config
+from distill.errors import ConfigError, DraftsmithError
+
+# conf/ sits at the project root (the user's layout); an installed wheel carries a copy in the package.
+_ROOT_CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = _ROOT_CONF if _ROOT_CONF.is_dir() else Path(__file__).resolve().parent / "conf"
+
+USAGE = f"""usage: draftsmith <stage> [key=value ...] [-m key=a,b ...] [--help] [--cfg job]
+
+stages:
+  generate   the target answers training prompts (a datasets dataset on disk)
+  distill    the drafter learns the target's token distributions on that data
+  evaluate   speculative decoding before/after distillation -> report.json, report.md
+  export     the tuned drafter in Hugging Face format with a model card
+  pipeline   all four in order in one run folder; prints the report path last
+
+examples:
+  draftsmith pipeline experiment=tiny
+  draftsmith pipeline experiment=quick distill.lr=3e-4
+  draftsmith distill inputs.generate=outputs/generate/<run> distill.loss=jsd
+  draftsmith pipeline --cfg job
+"""
+
+
+def run_stage(cfg: DictConfig, run_dir: Path) -> float | None:
+    """Run the stage named by ``cfg.stage`` in ``run_dir``; returns the metric a sweeper optimises (speedup)."""
+    config = to_config(cfg)
+    config_yaml = OmegaConf.to_yaml(cfg)
+    # Imported here so that `--help` and config errors stay fast.
+    if config.stage == "generate":
+        from distill.generate import run_generate
+
+        run_generate(config, run_dir, config_yaml)
+        return None
+    if config.stage == "distill":
+        from distill.train_stage import run_distill
+
+        run_distill(config, run_dir, config_yaml)
+        return None
+    if config.stage == "evaluate":
+        from distill.evaluate import run_evaluate
+
+        report = run_evaluate(config, run_dir, config_yaml)
+        print(report)
+        return _speedup(report)
+    if config.stage == "export":
+        from distill.export import run_export
+
+        print(run_export(config, run_dir, config_yaml))
+        return None
+    from distill.pipeline import run_pipeline
+
+    report = run_pipeline(config, run_dir, config_yaml)
+    print(report)
+    return _speedup(report)
+
+
+def _speedup(report_path: Path) -> float | None:
+    import json
+
+    try:
+        return float(json.loads(Path(report_path).read_text())["speedup"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        return run_stage(cfg, run_dir)
+    except ConfigError as err:
+        # Nothing ran: leave no empty run folder behind.
+        if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", f"{cfg.stage}.log"}:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"draftsmith {cfg.stage}: config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except DraftsmithError as err:
+        logging.getLogger("draftsmith").debug("error", exc_info=True)
+        print(f"draftsmith {cfg.stage}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point of ``draftsmith``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    stage, rest = argv[0], argv[1:]
+    if stage not in STAGES:
+        print(f"draftsmith: unknown stage {stage!r}; choose one of {', '.join(STAGES)}\n\n{USAGE}", file=sys.stderr)
+        sys.exit(2)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    register_configs()
+    sys.argv = [f"draftsmith {stage}", f"stage={stage}", *rest]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

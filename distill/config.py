@@ -1,0 +1,236 @@
+"""Typed configuration for every stage, registered in Hydra's ConfigStore.
+
+The YAML files under ``conf/`` are merged on top of :class:`Config`, so a
+misspelled key fails at compose time ("Key 'lrr' is not in struct"), and
+:func:`to_config` turns the merged tree into these dataclasses, whose
+``__post_init__`` checks ranges and raises :class:`~distill.errors.ConfigError`
+naming the key to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from distill.errors import ConfigError
+
+STAGES = ("generate", "distill", "evaluate", "export", "pipeline")
+DTYPES = ("float32", "bfloat16", "float16")
+LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass
+class TargetConfig:
+    """The target model: the large model whose output must not change."""
+
+    name: str = "qwen2.5-coder-1.5b-instruct"  # shipped name, HF folder, .gguf file or hub id
+    dtype: str = "bfloat16"  # used to generate data, score it and to decode
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, "target.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+
+
+@dataclass
+class DrafterConfig:
+    """The draft model before distillation, and how it is cut from its base."""
+
+    name: str = "qwen2.5-coder-0.5b-instruct"  # base model the drafter starts from
+    init: str = "sibling"  # sibling: the whole base model; layers: a depth-pruned copy of it
+    num_layers: Optional[int] = None  # with init=layers: decoder layers kept
+    layer_selection: str = "first"  # with init=layers: first N, or N evenly spaced
+    dtype: str = "bfloat16"  # dtype when decoding (training runs in float32)
+
+    def __post_init__(self) -> None:
+        _check(self.init in ("sibling", "layers"), "drafter.init", f"must be 'sibling' or 'layers', got {self.init!r}")
+        _check(self.layer_selection in ("first", "even"), "drafter.layer_selection", "must be 'first' or 'even'")
+        if self.init == "layers":
+            _check(self.num_layers is not None and self.num_layers >= 1, "drafter.num_layers",
+                   "must be >= 1 when drafter.init=layers")
+        _check(self.dtype in DTYPES, "drafter.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from. Evaluation prompts are held out from training prompts."""
+
+    source: str = "mixed"  # humaneval | mtbench | sharegpt | mixed | file
+    path: Optional[str] = None  # with source=file: a .jsonl ({"prompt": ...} or {"messages": [...]}) or .txt file
+    seed: int = 0  # split seed
+
+    def __post_init__(self) -> None:
+        sources = ("humaneval", "mtbench", "sharegpt", "mixed", "file")
+        _check(self.source in sources, "data.source", f"must be one of {sources}, got {self.source!r}")
+        _check(self.source != "file" or bool(self.path), "data.path", "set data.path=<file> when data.source=file")
+
+
+@dataclass
+class GenerateConfig:
+    """Stage 1: the target answers training prompts."""
+
+    num_prompts: int = 32
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    batch_size: int = 8
+    shard_size: int = 16  # prompts per shard written to disk (the unit of resume)
+
+    def __post_init__(self) -> None:
+        _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
+        _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
+        _check(self.temperature >= 0, "generate.temperature", "must be >= 0 (0 = greedy)")
+        _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
+        _check(self.batch_size >= 1, "generate.batch_size", "must be >= 1")
+        _check(self.shard_size >= 1, "generate.shard_size", "must be >= 1")
+
+
+@dataclass
+class DistillConfig:
+    """Stage 2: the drafter learns the target's next-token distributions."""
+
+    loss: str = "fkl"  # fkl | rkl | jsd | tvd | ce
+    jsd_beta: float = 0.5  # generalized JSD weight: 0 = forward KL, 1 = reverse KL (GKD)
+    temperature: float = 1.0  # softmax temperature of both distributions in the loss
+    method: str = "lora"  # lora | full
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lr: float = 2e-4
+    max_steps: int = 40
+    batch_size: int = 4
+    grad_accum: int = 1
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_seq_len: int = 512
+    val_fraction: float = 0.1  # share of generated examples held out for the validation metric
+    checkpoint_every: int = 0  # 0 = only at the end
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.loss in LOSSES, "distill.loss", f"must be one of {LOSSES}, got {self.loss!r}")
+        _check(0.0 <= self.jsd_beta <= 1.0, "distill.jsd_beta", "must be in [0, 1]")
+        _check(self.temperature > 0, "distill.temperature", "must be > 0")
+        _check(self.method in ("lora", "full"), "distill.method", "must be 'lora' or 'full'")
+        _check(self.lora_r >= 1, "distill.lora_r", "LoRA rank must be >= 1")
+        _check(0.0 <= self.lora_dropout < 1.0, "distill.lora_dropout", "must be in [0, 1)")
+        _check(self.lr > 0, "distill.lr", "must be > 0")
+        _check(self.max_steps >= 1, "distill.max_steps", "must be >= 1")
+        _check(self.batch_size >= 1, "distill.batch_size", "must be >= 1")
+        _check(self.grad_accum >= 1, "distill.grad_accum", "must be >= 1")
+        _check(self.max_seq_len >= 8, "distill.max_seq_len", "must be >= 8")
+        _check(0.0 <= self.val_fraction < 1.0, "distill.val_fraction", "must be in [0, 1)")
+        _check(self.checkpoint_every >= 0, "distill.checkpoint_every", "must be >= 0")
+
+
+@dataclass
+class DecodeConfig:
+    """The bundled speculative decoder's settings, used by evaluate."""
+
+    draft_length: int = 3  # K (gamma): draft tokens proposed per target forward
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        _check(self.draft_length >= 1, "decode.draft_length", "must be >= 1")
+        _check(self.temperature >= 0, "decode.temperature", "must be >= 0 (0 = greedy)")
+        _check(self.top_k >= 0, "decode.top_k", "must be >= 0 (0 = off)")
+        _check(0 < self.top_p <= 1, "decode.top_p", "must be in (0, 1]")
+        _check(self.max_new_tokens >= 1, "decode.max_new_tokens", "must be >= 1")
+
+
+@dataclass
+class EvaluateConfig:
+    """Stage 3: measure the drafter before and after distillation on held-out prompts."""
+
+    num_prompts: int = 8  # held-out evaluation prompts (never used for training)
+    hf_assisted: bool = True  # also time transformers' assisted generation with the tuned drafter
+    baseline: bool = True  # also measure the undistilled drafter
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.num_prompts >= 1, "evaluate.num_prompts", "must be >= 1")
+
+
+@dataclass
+class ExportConfig:
+    """Stage 4: write the tuned drafter for other tools."""
+
+    path: Optional[str] = None  # destination folder; default <run>/drafter-hf
+    overwrite: bool = False  # replace an existing export folder
+    dtype: str = "bfloat16"  # dtype of the saved weights
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, "export.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking: none, console, jsonl (metrics file) or wandb."""
+
+    kind: str = "wandb"
+    project: str = "draftsmith"
+    mode: str = "offline"  # wandb mode: offline | online | disabled
+
+    def __post_init__(self) -> None:
+        kinds = ("none", "console", "jsonl", "wandb")
+        _check(self.kind in kinds, "logger.kind", f"must be one of {kinds}, got {self.kind!r}")
+        _check(self.mode in ("offline", "online", "disabled"), "logger.mode", "must be offline, online or disabled")
+
+
+@dataclass
+class InputsConfig:
+    """Run folders a single stage reads. Empty = the newest complete run of that stage under outputs/."""
+
+    generate: Optional[str] = None  # read by distill and evaluate
+    distill: Optional[str] = None  # read by evaluate and export
+    evaluate: Optional[str] = None  # read by export (figures for the model card)
+
+
+@dataclass
+class Config:
+    """The whole configuration; ``stage`` is set by the ``draftsmith <stage>`` command."""
+
+    stage: str = "pipeline"
+    outputs: str = "outputs"  # root of all run folders
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    inputs: InputsConfig = field(default_factory=InputsConfig)
+    experiment: Optional[str] = None  # name of the chosen experiment, for the record
+
+    def __post_init__(self) -> None:
+        _check(self.stage in STAGES, "stage", f"must be one of {STAGES}, got {self.stage!r}")
+
+
+def register_configs() -> None:
+    """Register :class:`Config` as ``draftsmith_schema`` (first entry of conf/config.yaml's defaults)."""
+    ConfigStore.instance().store(name="draftsmith_schema", node=Config)
+
+
+def to_config(cfg: DictConfig | Config) -> Config:
+    """Turn a composed Hydra config into checked dataclasses.
+
+    Raises:
+        ConfigError: a value is out of range; the message names the key.
+    """
+    if isinstance(cfg, Config):
+        return cfg
+    obj: Any = OmegaConf.to_object(cfg)
+    if not isinstance(obj, Config):
+        raise ConfigError("the composed config is not a draftsmith Config: keep 'draftsmith_schema' first in conf/config.yaml")
+    return obj

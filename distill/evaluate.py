@@ -1,0 +1,98 @@
+"""Stage 3: measure the drafter before and after distillation with the bundled decoder.
+
+On the held-out evaluation prompts of the generate run (never trained on), the
+target decodes alone, with the tuned drafter (ours and, optionally, transformers'
+assisted generation) and with the undistilled drafter. Writes ``report.json``
+(figures of the tuned drafter at top level, the undistilled one under
+``baseline_drafter``) and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from decode.benchmark import benchmark
+from distill.config import Config
+from distill.errors import DraftsmithError
+from distill.generate import load_generated
+from distill.models import eos_token_ids, load_model
+from distill.prompts import encode_prompt
+from distill.report import write_report_markdown
+from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
+from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
+
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+
+
+def load_tuned_drafter(distill_dir: Path, dtype: str):
+    """The merged drafter of a finished distill run and its ``drafter_info.json``."""
+    path = require_complete(distill_dir, "distill") / DRAFTER_DIR
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    return model, json.loads((path / DRAFTER_INFO).read_text())
+
+
+def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
+    """Run stage 3 into ``run_dir``; returns the path of ``report.json``.
+
+    Raises:
+        IncompleteRunError: no finished distill (or generate) run to read.
+        DraftsmithError: the drafter was tuned for another target than ``target.name``.
+    """
+    distill_dir = resolve_input(cfg.inputs.distill, cfg.outputs, "distill")
+    gen_dir = Path(cfg.inputs.generate or read_manifest(distill_dir)["inputs"]["generate"])
+    _, held_out, _ = load_generated(gen_dir)
+    held_out = held_out[: cfg.evaluate.num_prompts]
+    run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)})
+
+    t0 = time.perf_counter()
+    target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
+    tuned, info = load_tuned_drafter(distill_dir, cfg.drafter.dtype)
+    if info["target_fingerprint"] != target_res.fingerprint:
+        raise DraftsmithError(
+            f"the drafter in {distill_dir} was tuned for target {info['target_name']!r} "
+            f"(fingerprint {info['target_fingerprint'][:12]}), not for {cfg.target.name!r} "
+            f"({target_res.fingerprint[:12]}): set target.name={info['target_name']} or distil a drafter for this target")
+    load_s = time.perf_counter() - t0
+
+    eos = eos_token_ids(target, tokenizer)
+    prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in held_out]
+    dec = cfg.decode
+    settings = dict(draft_length=dec.draft_length, max_new_tokens=dec.max_new_tokens, eos_token_ids=eos,
+                    temperature=dec.temperature, top_k=dec.top_k, top_p=dec.top_p, seed=cfg.evaluate.seed)
+
+    print(f"evaluate: tuned drafter on {len(prompts)} held-out prompts")
+    report: dict[str, Any] = benchmark(target, tuned, prompts, hf_assisted=cfg.evaluate.hf_assisted, **settings)
+    if cfg.evaluate.baseline:
+        print("evaluate: undistilled drafter on the same prompts")
+        base, base_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)
+        check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
+        report["baseline_drafter"] = benchmark(target, base.eval(), prompts, hf_assisted=False, **settings)
+        del base
+
+    report.update({
+        "target": {"name": cfg.target.name, "fingerprint": target_res.fingerprint, "dtype": cfg.target.dtype},
+        "drafter": {**info, "dtype": cfg.drafter.dtype, "path": str(distill_dir / DRAFTER_DIR),
+                    "parameters": sum(p.numel() for p in tuned.parameters())},
+        "decode": asdict(dec),
+        "engine": f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
+        if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA",
+        "prompt_ids": [p[0] for p in prompts],
+        "notes": {"mean_accepted_tokens": "tokens emitted per target forward: accepted draft tokens + 1 "
+                                          "(the target's correction or bonus token)",
+                  "speedup": "decode tokens/s of speculative decoding over the target alone on the same "
+                             "prompts; prompt prefill excluded"},
+    })
+    report_path = run_dir / REPORT_JSON
+    write_json_atomic(report_path, report)
+    write_report_markdown(report, run_dir / REPORT_MD)
+    run.complete(report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
+                 acceptance_rate=report.get("acceptance_rate"))
+    return report_path

@@ -1,0 +1,110 @@
+"""Stage 4: the tuned drafter in Hugging Face format, for serving stacks.
+
+Writes ``<run>/drafter-hf/`` (or ``export.path``): merged weights (safetensors),
+tokenizer, generation config, ``drafter_info.json`` and a model card
+(``README.md``) with the measured acceptance and speedup and the exact target it
+was tuned for. The folder is written atomically and loaded back with
+``AutoModelForCausalLM.from_pretrained`` before the stage reports success.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from distill.config import Config
+from distill.errors import DraftsmithError
+from distill.evaluate import REPORT_JSON
+from distill.rundir import StageRun, atomic_dir, find_latest, read_manifest, require_complete, resolve_input, write_text_atomic
+from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO
+
+EXPORT_DIR = "drafter-hf"
+
+
+def _report_for(cfg: Config, distill_dir: Path) -> tuple[dict[str, Any] | None, Path | None]:
+    """The evaluation report of this drafter: ``inputs.evaluate``, else the newest evaluate run that read it."""
+    if cfg.inputs.evaluate:
+        eval_dir = require_complete(cfg.inputs.evaluate, "evaluate")
+    else:
+        try:
+            eval_dir = find_latest(cfg.outputs, "evaluate")
+        except DraftsmithError:
+            return None, None
+        if Path(read_manifest(eval_dir)["inputs"].get("distill", "")).resolve() != distill_dir.resolve():
+            return None, None
+    return json.loads((eval_dir / REPORT_JSON).read_text()), eval_dir
+
+
+def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
+    """The exported folder's README.md: what the drafter is for and what it measured."""
+    lines = [
+        "---", "library_name: transformers", "tags: [speculative-decoding, draft-model, draftsmith]", "---", "",
+        f"# Draft model for `{info['target_name']}`", "",
+        f"A drafter for speculative decoding, initialised from `{info['base_name']}` ({info['init']}"
+        + (f", {info['num_layers']} layers" if info.get("num_layers") else "") + f") and distilled with draftsmith "
+        f"({info['method']}, loss `{info['loss']}`) on the target's own answers.", "",
+        f"Tuned for target `{info['target_name']}` (fingerprint `{info['target_fingerprint']}`). "
+        "Use it only with that target: acceptance depends on matching its distributions.", "",
+        "```python", "out = target.generate(**inputs, assistant_model=AutoModelForCausalLM.from_pretrained(<this folder>))",
+        "```", "",
+    ]
+    if report:
+        base = report.get("baseline_drafter") or {}
+        lines += [
+            f"## Measured ({report.get('engine')}, K = {report.get('draft_length')}, greedy, "
+            f"{report.get('num_prompts')} held-out prompts)", "",
+            "| figure | undistilled | this drafter |", "|---|---|---|",
+            f"| acceptance rate | {base.get('acceptance_rate', float('nan')):.3f} | {report['acceptance_rate']:.3f} |",
+            f"| mean accepted tokens per target forward (incl. bonus) | {base.get('mean_accepted_tokens', float('nan')):.2f} "
+            f"| {report['mean_accepted_tokens']:.2f} |",
+            f"| speedup vs target alone | {base.get('speedup', float('nan')):.2f}x | {report['speedup']:.2f}x |", "",
+        ]
+    else:
+        lines += ["No evaluation report was found for this drafter: run `draftsmith evaluate` to measure it.", ""]
+    return "\n".join(lines)
+
+
+def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
+    """Run stage 4; returns the exported folder.
+
+    Raises:
+        IncompleteRunError: no finished distill run.
+        DraftsmithError: the destination exists and ``export.overwrite`` is false.
+    """
+    distill_dir = resolve_input(cfg.inputs.distill, cfg.outputs, "distill")
+    dest = Path(cfg.export.path) if cfg.export.path else run_dir / EXPORT_DIR
+    if dest.exists() and not cfg.export.overwrite:
+        raise DraftsmithError(f"{dest} already exists: choose another export.path or set export.overwrite=true")
+    report, eval_dir = _report_for(cfg, distill_dir)
+    run = StageRun.start("export", run_dir, config_yaml,
+                         inputs={"distill": str(distill_dir), "evaluate": str(eval_dir) if eval_dir else ""})
+    src = distill_dir / DRAFTER_DIR
+    info = json.loads((src / DRAFTER_INFO).read_text())
+    dtype = getattr(torch, cfg.export.dtype)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+
+    staging = dest.with_name(dest.name + ".new") if dest.exists() else dest
+    with atomic_dir(staging) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        write_text_atomic(tmp / DRAFTER_INFO, json.dumps(info, indent=2) + "\n")
+        write_text_atomic(tmp / "README.md", model_card(info, report))
+        # Prove the folder loads before it is published under its final name.
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+        probe = torch.tensor([[tokenizer.eos_token_id or 0] * 4])
+        with torch.inference_mode():
+            if not torch.equal(reloaded(probe).logits, model(probe).logits):
+                raise DraftsmithError(f"the exported drafter in {tmp} does not reproduce the tuned one")
+    if staging != dest:  # overwrite: swap in the finished folder only now
+        shutil.rmtree(dest)
+        staging.rename(dest)
+    run.complete(export=str(dest), format="huggingface", dtype=cfg.export.dtype, drafter=info)
+    return dest

@@ -1,0 +1,165 @@
+"""Stage 1: the target answers the training prompts (synthetic distillation data).
+
+Prompts are answered in batches and written in shards of ``generate.shard_size``
+prompts, each shard atomically. Shards live in a cache folder keyed by
+everything that determines their content (target fingerprint, prompt ids,
+sampling settings, seed), so running the same command again after a crash
+reuses every finished shard and resumes at the first unfinished one.
+
+Output (run folder): ``dataset/`` (a ``datasets`` dataset, one row per prompt),
+``eval_prompts.jsonl`` (the held-out evaluation prompts), ``manifest.json``, ``COMPLETE``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from datasets import Dataset, concatenate_datasets, load_from_disk
+from tqdm.auto import tqdm
+
+from distill.config import Config
+from distill.models import eos_token_ids, load_model
+from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
+from distill.rundir import StageRun, atomic_dir, write_text_atomic
+
+DATASET_DIR = "dataset"
+EVAL_PROMPTS = "eval_prompts.jsonl"
+
+
+def select_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
+    """The training and held-out evaluation prompts for ``cfg`` (disjoint, deterministic in ``data.seed``).
+
+    Raises:
+        PromptError: the source is missing, empty or malformed.
+    """
+    prompts = load_prompts(cfg.data.source, cfg.data.path)
+    return split_prompts(prompts, num_train=cfg.generate.num_prompts, num_eval=cfg.evaluate.num_prompts,
+                         seed=cfg.data.seed)
+
+
+def _shard_key(fingerprint: str, prompt_ids: list[str], cfg: Config) -> str:
+    g = cfg.generate
+    payload = json.dumps({"target": fingerprint, "dtype": cfg.target.dtype, "prompts": prompt_ids,
+                          "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p,
+                          "batch_size": g.batch_size, "shard_size": g.shard_size, "seed": cfg.data.seed})
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@torch.inference_mode()
+def answer_batch(model, input_ids: list[list[int]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
+                 temperature: float, top_p: float) -> list[tuple[list[int], str]]:
+    """Answer a batch of tokenized prompts with ``model.generate`` (left-padded).
+
+    Args:
+        input_ids: ``batch`` prompts, each a list of token ids (ragged).
+    Returns:
+        per prompt, ``(completion_ids, finish_reason)``: the new tokens up to and including the first
+        EOS, and ``"eos"`` or ``"length"``.
+    """
+    width = max(len(ids) for ids in input_ids)
+    batch = torch.full((len(input_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for row, ids in enumerate(input_ids):
+        batch[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    out = model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         eos_token_id=eos_ids, pad_token_id=pad_id, **sampling)
+    results = []
+    eos = set(eos_ids)
+    for row in out[:, width:].tolist():
+        for i, tok in enumerate(row):
+            if tok in eos:
+                results.append((row[: i + 1], "eos"))
+                break
+        else:
+            results.append((row, "length"))
+    return results
+
+
+def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
+    """Run stage 1 into ``run_dir``; returns ``run_dir``.
+
+    Raises:
+        PromptError, ModelNotFoundError, ModelIntegrityError: bad prompts or model (before any generation).
+    """
+    train, held_out = select_prompts(cfg)  # prompt errors surface before the slow model load
+    run = StageRun.start("generate", run_dir, config_yaml)
+    t0 = time.perf_counter()
+    model, tokenizer, resolved = load_model(cfg.target.name, dtype=cfg.target.dtype)
+    load_s = time.perf_counter() - t0
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    encoded = [encode_prompt(tokenizer, p) for p in train]
+
+    write_text_atomic(run_dir / EVAL_PROMPTS, "".join(json.dumps(asdict(p)) + "\n" for p in held_out))
+
+    g = cfg.generate
+    key = _shard_key(resolved.fingerprint, [p.id for p in train], cfg)
+    shard_root = Path(cfg.outputs) / ".shards" / f"generate-{key}"
+    shard_root.mkdir(parents=True, exist_ok=True)
+    starts = list(range(0, len(train), g.shard_size))
+    done = [s for s in starts if (shard_root / f"shard-{s:06d}").is_dir()]
+    if done:
+        print(f"generate: resuming, {len(done)}/{len(starts)} shards already finished in {shard_root}")
+
+    new_tokens, gen_s = 0, 0.0
+    already = sum(min(g.shard_size, len(train) - s) for s in done)
+    bar = tqdm(total=len(train), desc="generate", unit="prompt", initial=already)
+    for start in starts:
+        shard_dir = shard_root / f"shard-{start:06d}"
+        if shard_dir.is_dir():
+            continue
+        torch.manual_seed(cfg.data.seed * 1_000_003 + start)  # a resumed shard samples what it would have
+        rows = []
+        for b in range(start, min(start + g.shard_size, len(train)), g.batch_size):
+            idx = list(range(b, min(b + g.batch_size, start + g.shard_size, len(train))))
+            t = time.perf_counter()
+            answers = answer_batch(model, [encoded[i] for i in idx], pad_id=pad_id, eos_ids=eos_ids,
+                                   max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p)
+            gen_s += time.perf_counter() - t
+            for i, (completion, reason) in zip(idx, answers):
+                new_tokens += len(completion)
+                rows.append({"prompt_id": train[i].id, "source": train[i].source, "category": train[i].category,
+                             "prompt_ids": encoded[i], "completion_ids": completion, "finish_reason": reason,
+                             "temperature": g.temperature, "top_p": g.top_p,
+                             "target_fingerprint": resolved.fingerprint})
+            bar.update(len(idx))
+            bar.set_postfix(tok_s=f"{new_tokens / max(gen_s, 1e-9):.1f}")
+        with atomic_dir(shard_dir) as tmp:
+            Dataset.from_list(rows).save_to_disk(str(tmp))
+    bar.close()
+
+    dataset = concatenate_datasets([load_from_disk(str(shard_root / f"shard-{s:06d}")) for s in starts])
+    final = run_dir / DATASET_DIR
+    if final.exists():  # left by an earlier attempt in this same folder
+        shutil.rmtree(final)
+    with atomic_dir(final) as tmp:
+        dataset.save_to_disk(str(tmp))
+    lengths = dataset["completion_ids"]
+    return run.complete(
+        target={"name": cfg.target.name, "fingerprint": resolved.fingerprint, "source": resolved.source,
+                "dtype": cfg.target.dtype},
+        num_train_prompts=len(train), num_eval_prompts=len(held_out), shard_cache=str(shard_root),
+        completion_tokens=sum(len(x) for x in lengths),
+        finished_with_eos=sum(r == "eos" for r in dataset["finish_reason"]),
+        model_load_s=round(load_s, 2),
+        generation_tokens_per_s=round(new_tokens / gen_s, 2) if gen_s else None,
+    )
+
+
+def load_generated(run_dir: Path) -> tuple[Dataset, list[Prompt], dict]:
+    """The dataset, held-out prompts and manifest of a finished generate run."""
+    from distill.rundir import read_manifest, require_complete
+
+    run_dir = require_complete(run_dir, "generate")
+    dataset = load_from_disk(str(run_dir / DATASET_DIR))
+    held_out = [Prompt(**json.loads(line)) for line in (run_dir / EVAL_PROMPTS).read_text().splitlines() if line]
+    return dataset, held_out, read_manifest(run_dir)

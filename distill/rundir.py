@@ -1,0 +1,167 @@
+"""Run folders: manifests, completion markers, atomic writes, finding inputs.
+
+Every stage writes one folder holding ``config.yaml``, ``manifest.json`` and its
+outputs, and writes ``COMPLETE`` last. A later stage reads only folders that
+carry the marker, so a killed run is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+from distill.errors import IncompleteRunError
+
+COMPLETE = "COMPLETE"
+MANIFEST = "manifest.json"
+_VERSIONED = ("torch", "transformers", "datasets", "peft", "accelerate", "hydra-core", "draftsmith")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON, atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder, renamed to ``final`` when the block ends without error.
+
+    Raises:
+        FileExistsError: ``final`` already exists (the caller decides about overwriting first).
+    """
+    final = Path(final)
+    if final.exists():
+        raise FileExistsError(f"{final} already exists")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for name in _VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+@dataclass
+class StageRun:
+    """A stage's run folder and its manifest, finished by :meth:`complete`."""
+
+    stage: str
+    path: Path
+    manifest: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(cls, stage: str, path: Path, config_yaml: str, inputs: dict[str, str] | None = None) -> "StageRun":
+        """Create (or reopen, for resume) ``path`` and record the resolved config."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / COMPLETE).unlink(missing_ok=True)
+        write_text_atomic(path / "config.yaml", config_yaml)
+        manifest = {"stage": stage, "inputs": inputs or {}, "versions": package_versions(),
+                    "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        return cls(stage=stage, path=path, manifest=manifest)
+
+    def complete(self, **extra: Any) -> Path:
+        """Write the manifest with wall time and peak memory, then the completion marker."""
+        self.manifest.update(extra)
+        self.manifest["wall_s"] = round(time.perf_counter() - self.started, 2)
+        self.manifest["peak_rss_bytes"] = peak_rss_bytes()
+        self.manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        write_json_atomic(self.path / MANIFEST, self.manifest)
+        write_text_atomic(self.path / COMPLETE, self.manifest["finished_at"] + "\n")
+        return self.path
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / COMPLETE).is_file()
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / MANIFEST).read_text())
+
+
+def require_complete(path: str | Path, stage: str) -> Path:
+    """Check that ``path`` is a finished run folder of ``stage``.
+
+    Raises:
+        IncompleteRunError: the folder is missing, unfinished, or from another stage.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise IncompleteRunError(f"{stage} run folder {path} does not exist: pass inputs.{stage}=<folder of a finished {stage} run>")
+    if not is_complete(path):
+        raise IncompleteRunError(
+            f"{path} has no {COMPLETE} marker: that {stage} run did not finish. Re-run it with the same "
+            f"command (it resumes), or pass inputs.{stage}=<a finished run folder>")
+    found = read_manifest(path).get("stage")
+    if found != stage:
+        raise IncompleteRunError(f"{path} is a {found!r} run, not a {stage!r} run: pass inputs.{stage}=<a {stage} run folder>")
+    return path
+
+
+def find_latest(outputs: str | Path, stage: str) -> Path:
+    """The newest finished run folder of ``stage`` under ``outputs`` (pipeline sub-folders included).
+
+    Raises:
+        IncompleteRunError: there is none.
+    """
+    candidates = []
+    for marker in Path(outputs).glob(f"**/{COMPLETE}"):
+        folder = marker.parent
+        try:
+            if read_manifest(folder).get("stage") == stage:
+                candidates.append(folder)
+        except (OSError, json.JSONDecodeError):
+            continue
+    if not candidates:
+        raise IncompleteRunError(
+            f"no finished {stage} run under {outputs}/: run `draftsmith {stage}` first or pass inputs.{stage}=<folder>")
+    return max(candidates, key=lambda p: (p / COMPLETE).stat().st_mtime)
+
+
+def resolve_input(given: str | None, outputs: str | Path, stage: str) -> Path:
+    """``given`` checked as a finished ``stage`` run, or the newest one under ``outputs``."""
+    return require_complete(given, stage) if given else find_latest(outputs, stage)

@@ -1,0 +1,97 @@
+"""Metric loggers behind one small interface: none, console, JSONL, wandb.
+
+A logger has ``log(metrics, step)``, ``summary(metrics)`` and ``finish()``.
+wandb runs offline unless ``logger.mode=online``; its files go into the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from distill.config import LoggerConfig
+
+
+class Logger(Protocol):
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None: ...
+    def summary(self, metrics: dict[str, Any]) -> None: ...
+    def finish(self) -> None: ...
+
+
+class NullLogger:
+    """Logs nothing (tests, or logger=none)."""
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        pass
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class ConsoleLogger(NullLogger):
+    """Prints the summary at the end (per-step figures are on the progress bar already)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
+        print(f"[{self.name}] " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in flat.items()))
+
+
+class JsonlLogger(ConsoleLogger):
+    """Appends one JSON object per ``log`` call to ``<run>/log.jsonl``."""
+
+    def __init__(self, name: str, run_dir: Path) -> None:
+        super().__init__(name)
+        self.path = Path(run_dir) / "log.jsonl"
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **metrics}, default=str) + "\n")
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        self.log({"summary": metrics})
+        super().summary(metrics)
+
+
+class WandbLogger:
+    """Weights & Biases run; offline by default (``wandb sync <run>/wandb/...`` uploads later)."""
+
+    def __init__(self, cfg: LoggerConfig, name: str, run_dir: Path, config: dict[str, Any]) -> None:
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self._wandb = wandb
+        self.run = wandb.init(project=cfg.project, name=name, mode=cfg.mode, dir=str(run_dir),
+                              config=config, reinit="finish_previous")
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self.run.log(metrics, step=step)
+
+    def log_image(self, key: str, path: Path) -> None:
+        self.run.log({key: self._wandb.Image(str(path))})
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float, str, bool)):
+                self.run.summary[k] = v
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def make_logger(cfg: LoggerConfig, name: str, run_dir: Path, config: dict[str, Any] | None = None) -> Logger:
+    """Build the logger chosen by ``logger.kind`` for one stage run."""
+    if cfg.kind == "none":
+        return NullLogger()
+    if cfg.kind == "console":
+        return ConsoleLogger(name)
+    if cfg.kind == "jsonl":
+        return JsonlLogger(name, run_dir)
+    return WandbLogger(cfg, name, run_dir, config or {})
