@@ -1,0 +1,108 @@
+"""The whole pipeline end to end on tiny random models, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from distill.rundir import COMPLETE
+
+REPORT_KEYS = ("acceptance_rate", "mean_accepted_tokens", "draft_length", "target_tokens_per_s",
+               "speculative_tokens_per_s", "speedup", "num_prompts", "new_tokens")
+
+
+def draftsmith(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, "-m", "distill.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    proc = draftsmith("pipeline", "experiment=tiny", f"outputs={root}/outputs", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, proc
+
+
+def test_pipeline_prints_report_path_last(tiny_run):
+    root, proc = tiny_run
+    last = proc.stdout.strip().splitlines()[-1]
+    report_path = Path(last)
+    assert report_path.name == "report.json" and report_path.is_file()
+    report = json.loads(report_path.read_text())
+    for key in REPORT_KEYS:
+        assert key in report, key
+        assert key in report["baseline_drafter"], key
+    assert report["draft_length"] == 3
+    assert report["num_prompts"] == 3
+    assert 0.0 <= report["acceptance_rate"] <= 1.0
+    assert 1.0 <= report["mean_accepted_tokens"] <= report["draft_length"] + 1
+    assert report["outputs_match_target"] is True  # greedy, fp32 tiny models: lossless
+    assert set(report["stages"]) == {"generate", "distill", "evaluate", "export"}
+    assert (report_path.parent / "report.md").read_text().startswith("# draftsmith evaluation report")
+
+
+def test_every_stage_folder_is_complete(tiny_run):
+    root, proc = tiny_run
+    run = Path(proc.stdout.strip().splitlines()[-1]).parent.parent
+    for stage in ("generate", "distill", "evaluate", "export"):
+        assert (run / stage / COMPLETE).is_file(), stage
+        assert json.loads((run / stage / "manifest.json").read_text())["stage"] == stage
+
+
+def test_generated_dataset_is_disjoint_from_eval_prompts(tiny_run):
+    from datasets import load_from_disk
+
+    root, proc = tiny_run
+    run = Path(proc.stdout.strip().splitlines()[-1]).parent.parent
+    data = load_from_disk(str(run / "generate" / "dataset"))
+    assert len(data) == 8
+    assert {"prompt_id", "prompt_ids", "completion_ids", "temperature", "target_fingerprint"} <= set(data.column_names)
+    assert all(len(c) >= 1 for c in data["completion_ids"])
+    eval_ids = {json.loads(line)["id"] for line in (run / "generate" / "eval_prompts.jsonl").read_text().splitlines()}
+    assert eval_ids and not eval_ids & set(data["prompt_id"])
+
+
+def test_export_loads_with_from_pretrained(tiny_run):
+    root, proc = tiny_run
+    run = Path(proc.stdout.strip().splitlines()[-1]).parent.parent
+    exported = run / "export" / "drafter-hf"
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert "Draft model for `tiny-target`" in (exported / "README.md").read_text()
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)
+
+
+def test_single_stages_chain_through_outputs(tiny_run, tmp_path):
+    """`draftsmith distill` without inputs reads the newest finished generate run."""
+    root, _ = tiny_run
+    out = root / "outputs"
+    proc = draftsmith("distill", "experiment=tiny", f"outputs={out}", "distill.max_steps=2", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    distill_runs = sorted((out / "distill").glob("*/COMPLETE"))
+    assert distill_runs
+
+
+def test_generate_resumes_from_finished_shards(tiny_run):
+    root, _ = tiny_run
+    out = root / "outputs"
+    proc = draftsmith("generate", "experiment=tiny", f"outputs={out}", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming, 2/2 shards already finished" in proc.stdout
+
+
+def test_incomplete_input_is_refused(tmp_path):
+    bad = tmp_path / "gen"
+    bad.mkdir()
+    proc = draftsmith("distill", "experiment=tiny", f"outputs={tmp_path}/outputs", f"inputs.generate={bad}",
+                      cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "COMPLETE" in proc.stderr and "did not finish" in proc.stderr
