@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Library chatter (per-load progress bars, bitsandbytes kernel notices) drowns the stage's own bars.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     register_configs()
     sys.argv = [f"draftsmith {stage}", f"stage={stage}", *rest]
     _hydra_main()

@@ -85,11 +85,14 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         "engine": f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
         if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA",
         "prompt_ids": [p[0] for p in prompts],
-        "notes": {"mean_accepted_tokens": "tokens emitted per target forward: accepted draft tokens + 1 "
-                                          "(the target's correction or bonus token)",
-                  "speedup": "decode tokens/s of speculative decoding over the target alone on the same "
-                             "prompts; prompt prefill excluded"},
     })
+    report["notes"] = [
+        "mean_accepted_tokens: tokens emitted per target forward = accepted draft tokens + 1 "
+        "(the target's correction or bonus token)",
+        "speedup: decode tokens/s of speculative decoding over the target alone on the same prompts; "
+        "prompt prefill excluded",
+        *report.get("notes", []),
+    ]
     report_path = run_dir / REPORT_JSON
     write_json_atomic(report_path, report)
     write_report_markdown(report, run_dir / REPORT_MD)

@@ -68,9 +68,9 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         for name, fig in stages.items():
             lines.append(f"| {name} | {_fmt(fig.get('wall_s'), '{:.1f}')} | "
                          f"{_fmt((fig.get('peak_rss_bytes') or 0) / 2**30, '{:.2f}')} |")
-    notes = report.get("notes") or {}
+    notes = report.get("notes") or []
     if notes:
-        lines += ["", "Notes:"] + [f"- `{k}`: {v}" for k, v in notes.items()]
+        lines += ["", "Notes:"] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 

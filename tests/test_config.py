@@ -37,7 +37,7 @@ def test_every_experiment_composes(experiment):
 
 def test_tiny_and_quick_pick_their_models():
     tiny = _compose("experiment=tiny")
-    assert (tiny.target.name, tiny.drafter.name) == ("tiny-target", "tiny-drafter")
+    assert (tiny.target.name, tiny.drafter.init, tiny.drafter.num_layers) == ("tiny-target", "layers", 1)
     quick = _compose("experiment=quick")
     assert quick.target.name == "qwen2.5-coder-0.5b-instruct"
     assert quick.drafter.init == "layers" and quick.drafter.num_layers == 4
