@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    import datasets
+
+    datasets.disable_progress_bars()
     register_configs()
     sys.argv = [f"draftsmith {stage}", f"stage={stage}", *rest]
     _hydra_main()

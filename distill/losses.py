@@ -1,0 +1,216 @@
+"""Distillation losses between a draft model (student) and the target (teacher).
+
+Notation used throughout (DistillSpec, Zhou et al. 2023, arXiv:2310.08461):
+
+* ``target_probs`` = p, the target's next-token distribution (the teacher),
+* ``draft_probs``  = q, the drafter's next-token distribution (the student).
+
+All functions are pure: they take logits, compute ``log_softmax(logits / temperature)`` in
+float32 and return float32. Logits may come in another dtype (bf16 target): they are cast.
+Student and target vocabularies may differ by padding rows (e.g. a 151,936-row lm_head over a
+151,665-token tokenizer): both are sliced to the common ``min(V_student, V_target)`` columns.
+
+Reductions are token-weighted: the per-position divergence is averaged over the positions
+where ``mask`` is True, so a batch with 300 completion tokens weighs 3x one with 100.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+LOSS_KINDS = ("fkl", "rkl", "jsd", "tvd", "ce")
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kind: str,
+    jsd_beta: float = 0.5,
+    temperature: float = 1.0,
+    labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token-weighted mean divergence between target and drafter over the masked positions.
+
+    Args:
+        student_logits: drafter logits, ``(batch, seq, vocab_s)``, any float dtype.
+        target_logits: target logits, ``(batch, seq, vocab_t)``; no gradient flows into them.
+        mask: ``(batch, seq)`` bool, True where the position counts (completion tokens).
+        kind: one of
+
+            * ``"fkl"``: forward KL ``KL(p || q) = sum_v p (log p - log q)``. This is the true KL,
+              including the target-entropy term ``sum p log p`` (it does not change gradients but
+              makes identical distributions score exactly 0; without it the value is
+              cross-entropy ``H(p, q)``, which is what torchtune's "ForwardKLLoss" returns).
+            * ``"rkl"``: reverse KL ``KL(q || p)`` (mode-seeking).
+            * ``"jsd"``: generalized Jensen-Shannon divergence, see ``jsd_beta``.
+            * ``"tvd"``: total variation ``0.5 * sum_v |p - q|``; ``1 - TVD`` is the acceptance
+              probability of speculative sampling (Leviathan et al. 2023, Cor. 3.6), so this
+              loss optimises acceptance directly (DistillSpec, Zhou et al. 2023).
+            * ``"ce"``: cross-entropy ``-log q(label)`` on the target's sampled tokens
+              (sequence-level KD, "SeqKD"); needs ``labels``; ``target_logits`` are unused
+              except for the vocabulary check.
+        jsd_beta: beta in [0, 1] for ``kind="jsd"``. Convention (GKD, Agarwal et al. 2024,
+            Eq. 2-3, with P = target, Q = drafter, M = beta P + (1 - beta) Q)::
+
+                JSD_beta = beta KL(P || M) + (1 - beta) KL(Q || M)
+                loss     = JSD_beta / (beta (1 - beta))        for 0 < beta < 1
+                loss     = KL(P || Q)  (forward KL)            for beta = 0
+                loss     = KL(Q || P)  (reverse KL)            for beta = 1
+
+            GKD's unscaled JSD_beta tends to 0 at both ends (its *gradient direction* tends to
+            forward/reverse KL); dividing by beta (1 - beta) makes the values themselves
+            continuous in beta with exact limits FKL at 0 and RKL at 1. The minimiser and the
+            gradient direction are GKD's; the scale is 1 / (beta (1 - beta)) larger (4x at 0.5),
+            which acts like a larger learning rate. TRL's ``generalized_jsd_loss`` returns the
+            unscaled value for 0 < beta < 1 and jumps to FKL/RKL at the ends.
+        temperature: > 0; both distributions are ``softmax(logits / temperature)``. No ``T**2``
+            rescaling is applied.
+        labels: ``(batch, seq)`` int64 token ids for ``kind="ce"`` (the token at t + 1 for the
+            logits at t); values at masked-out positions are ignored.
+
+    Returns:
+        A 0-dim float32 tensor, in nats per masked token. 0 (with a gradient path) if the mask
+        selects nothing.
+
+    Raises:
+        ValueError: unknown ``kind``, ``jsd_beta`` outside [0, 1], ``temperature <= 0``,
+            mismatched shapes, or ``kind="ce"`` without ``labels`` / with an out-of-vocab label.
+    """
+    per_token = _masked_per_token(student_logits, target_logits, mask, kind=kind, jsd_beta=jsd_beta,
+                                  temperature=temperature, labels=labels)
+    if per_token.numel() == 0:
+        return student_logits[..., :0].float().sum()  # 0, keeps the graph for backward()
+    return per_token.mean()
+
+
+def per_token_divergence(
+    student_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    kind: str,
+    jsd_beta: float = 0.5,
+    temperature: float = 1.0,
+    labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The divergence of :func:`distillation_loss` at every position, unreduced.
+
+    Args:
+        student_logits: ``(..., vocab_s)``. target_logits: ``(..., vocab_t)``, same leading shape.
+        labels: ``(...)`` int64, only for ``kind="ce"``.
+        Other arguments as in :func:`distillation_loss`.
+
+    Returns:
+        float32 tensor with the leading shape ``(...)``, nats.
+    """
+    _check_args(kind, jsd_beta, temperature)
+    if student_logits.shape[:-1] != target_logits.shape[:-1]:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and target logits "
+                         f"{tuple(target_logits.shape)} differ before the vocabulary dimension")
+    student_logp, target_logp = _log_probs(student_logits, target_logits, temperature)
+    if kind == "ce":
+        if labels is None:
+            raise ValueError("kind='ce' needs labels (the target's tokens, shifted by one)")
+        if labels.numel() and int(labels.max()) >= student_logp.shape[-1]:
+            raise ValueError(f"label {int(labels.max())} is outside the common vocabulary of "
+                             f"{student_logp.shape[-1]} tokens")
+        return -student_logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    if kind == "fkl":
+        return _kl(target_logp, student_logp)
+    if kind == "rkl":
+        return _kl(student_logp, target_logp)
+    if kind == "tvd":
+        return 0.5 * (target_logp.exp() - student_logp.exp()).abs().sum(-1)
+    # kind == "jsd"
+    if jsd_beta == 0.0:
+        return _kl(target_logp, student_logp)
+    if jsd_beta == 1.0:
+        return _kl(student_logp, target_logp)
+    mixture_logp = torch.logsumexp(
+        torch.stack([target_logp + math.log(jsd_beta), student_logp + math.log1p(-jsd_beta)]), dim=0)
+    jsd = jsd_beta * _kl(target_logp, mixture_logp) + (1.0 - jsd_beta) * _kl(student_logp, mixture_logp)
+    return jsd / (jsd_beta * (1.0 - jsd_beta))
+
+
+def expected_acceptance(
+    student_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Probability that speculative sampling accepts a drafted token, per position.
+
+    ``alpha = sum_v min(p_v, q_v) = 1 - TV(p, q)`` (Leviathan et al. 2023, "Fast Inference from
+    Transformers via Speculative Decoding", Cor. 3.6; DistillSpec uses it as its main metric).
+    It is the acceptance rate of *sampling* at this temperature, not of greedy decoding (greedy
+    accepts iff the two argmaxes agree).
+
+    Args:
+        student_logits: ``(batch, seq, vocab_s)``; target_logits: ``(batch, seq, vocab_t)``.
+        mask: ``(batch, seq)`` bool; positions where it is False get 0.
+        temperature: > 0, applied to both.
+
+    Returns:
+        float32 ``(batch, seq)`` in [0, 1]; 0 where ``mask`` is False.
+    """
+    _check_args("tvd", 0.5, temperature)
+    _check_mask(student_logits, target_logits, mask)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=student_logits.device)
+    if bool(mask.any()):
+        tvd = per_token_divergence(student_logits[mask], target_logits[mask], kind="tvd",
+                                   temperature=temperature)
+        out[mask] = (1.0 - tvd).clamp(0.0, 1.0)
+    return out
+
+
+def _masked_per_token(student_logits, target_logits, mask, *, kind, jsd_beta, temperature, labels):
+    """Selects the masked positions first: (B, T, V) -> (N, V), so padding costs nothing and
+    non-finite values at masked-out positions cannot leak into the result."""
+    _check_args(kind, jsd_beta, temperature)
+    _check_mask(student_logits, target_logits, mask)
+    if labels is not None:
+        if labels.shape != mask.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the mask's shape {tuple(mask.shape)}")
+        labels = labels[mask]
+    return per_token_divergence(student_logits[mask], target_logits[mask], kind=kind, jsd_beta=jsd_beta,
+                                temperature=temperature, labels=labels)
+
+
+def _log_probs(student_logits, target_logits, temperature):
+    vocab = min(student_logits.shape[-1], target_logits.shape[-1])
+    student_logp = F.log_softmax(student_logits[..., :vocab].float() / temperature, dim=-1)
+    target_logp = F.log_softmax(target_logits[..., :vocab].float() / temperature, dim=-1)
+    return student_logp, target_logp
+
+
+def _kl(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) = sum_v a (log a - log b) over the last dim; terms with a_v = 0 count 0."""
+    prob_a = logp_a.exp()
+    terms = prob_a * (logp_a - logp_b)
+    # zero only exact zeros (log a = -inf): a NaN must stay NaN so the caller can see it
+    return torch.where(prob_a == 0, torch.zeros_like(terms), terms).sum(-1)
+
+
+def _check_args(kind: str, jsd_beta: float, temperature: float) -> None:
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"loss kind must be one of {LOSS_KINDS}, got {kind!r}")
+    if not 0.0 <= jsd_beta <= 1.0:
+        raise ValueError(f"jsd_beta must be in [0, 1], got {jsd_beta}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _check_mask(student_logits, target_logits, mask) -> None:
+    if student_logits.dim() != 3 or target_logits.dim() != 3:
+        raise ValueError("logits must be (batch, seq, vocab), got "
+                         f"{tuple(student_logits.shape)} and {tuple(target_logits.shape)}")
+    if student_logits.shape[:2] != target_logits.shape[:2] or tuple(mask.shape) != tuple(student_logits.shape[:2]):
+        raise ValueError(f"shapes disagree: student {tuple(student_logits.shape)}, target "
+                         f"{tuple(target_logits.shape)}, mask {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool, got {mask.dtype}")

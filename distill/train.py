@@ -1,0 +1,623 @@
+"""Stage 2 core: the drafter learns the target's next-token distributions.
+
+White-box distillation on the target's own answers (DistillSpec, Zhou et al. 2023: "on-policy"
+data from the target, a divergence between the two next-token distributions at every
+completion position). The target is scored online, under ``torch.no_grad()``, on the same
+token sequences the drafter sees.
+
+Layout, torchtune-style (``recipes/knowledge_distillation_single_device.py``): setup
+(:func:`_setup`) -> loss step (:func:`_loss_step`) -> train loop (:func:`train_drafter`) ->
+save (:func:`_save_checkpoint`). Logging happens in :func:`_log_step`, outside the loop body.
+
+Files written under ``output_dir``:
+
+* ``metrics.jsonl``: one JSON object per optimizer step: ``step``, ``loss`` (nats per
+  completion token), ``lr``, ``tokens`` (completion tokens in the step), ``tokens_per_s``,
+  ``expected_acceptance`` (token-weighted mean of ``1 - TV(p, q)`` on the step's batches, at the
+  training temperature), ``grad_norm`` (before clipping).
+* ``checkpoint-<step>/``: the drafter (``save_pretrained``: the full model, or the LoRA adapter
+  for a peft model), ``optimizer.pt``, ``scheduler.pt`` and ``trainer_state.json``; written to a
+  temporary folder and renamed, so a checkpoint folder is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from distill.errors import DraftsmithError
+from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance
+
+log = logging.getLogger(__name__)
+
+MAX_GRAD_NORM = 1.0
+METRICS_FILE = "metrics.jsonl"
+STATE_FILE = "trainer_state.json"
+STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Which divergence to minimise (see :func:`distill.losses.distillation_loss`)."""
+
+    kind: str = "fkl"
+    jsd_beta: float = 0.5
+    temperature: float = 1.0
+
+
+def train_drafter(
+    drafter: torch.nn.Module,
+    target: torch.nn.Module,
+    examples: Sequence[dict],
+    *,
+    loss: str = "fkl",
+    jsd_beta: float = 0.5,
+    temperature: float = 1.0,
+    lr: float = 2e-4,
+    max_steps: int = 100,
+    batch_size: int = 4,
+    grad_accum: int = 1,
+    max_seq_len: int = 512,
+    warmup_steps: int = 0,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    output_dir: Path,
+    checkpoint_every: int = 0,
+    resume_from: Path | None = None,
+    val_examples: Sequence[dict] | None = None,
+    pad_token_id: int | None = None,
+    logger: Any = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Distil ``target`` into ``drafter`` on the target's answers; the drafter is trained in place.
+
+    Each optimizer step consumes ``batch_size * grad_accum`` examples. The loss is the
+    token-weighted mean over all completion positions of the step (gradient accumulation keeps
+    the token weighting). AdamW over the trainable parameters only (no weight decay on biases
+    and norms), linear warmup over ``warmup_steps`` then linear decay to 0 at ``max_steps``,
+    gradient norm clipped to 1.0. Runs under ``accelerate.Accelerator`` (CPU or one GPU; the
+    target is moved to the accelerator's device unless it has an ``hf_device_map``).
+
+    Data order: epoch e visits the examples in ``numpy.random.default_rng([seed, e])
+    .permutation(n)``; batches run across epoch boundaries until ``max_steps``. A resumed run
+    continues the same stream at the saved position, with the saved optimizer, scheduler and
+    torch RNG state (LoRA dropout), so its losses match an uninterrupted run.
+
+    Args:
+        drafter: causal LM (plain or peft-wrapped) returning ``.logits`` (B, T, V_d).
+        target: causal LM returning ``.logits`` (B, T, V_t); any dtype (logits are cast to
+            float32); never updated. V_d and V_t may differ by padding rows.
+        examples: dicts with ``prompt_ids`` and ``completion_ids`` (lists of token ids; the
+            completion is the target's answer). Loss positions are the positions whose next
+            token is a completion token. Sequences longer than ``max_seq_len`` are cut: the
+            prompt loses tokens from the left (keeping at least half the window when the
+            completion is long), the completion from the right. Examples left without a
+            completion position are skipped with a warning.
+        loss, jsd_beta, temperature: the divergence, see :func:`distill.losses.distillation_loss`.
+        lr: peak learning rate. max_steps: optimizer steps in total (including resumed ones).
+        batch_size: examples per micro-batch. grad_accum: micro-batches per optimizer step.
+        max_seq_len: tokens per sequence (prompt + completion), >= 2.
+        warmup_steps: linear warmup steps. weight_decay: AdamW decoupled weight decay.
+        seed: data order and (on a fresh start) ``accelerate.utils.set_seed``; >= 0.
+        output_dir: folder for ``metrics.jsonl`` and checkpoints (created).
+        checkpoint_every: save every N steps (0 = only at the end); the last step always saves.
+        resume_from: a ``checkpoint-<step>`` folder of an earlier run with the same examples,
+            seed, batch_size and grad_accum; ``drafter`` must be built the same way (its
+            weights are overwritten from the checkpoint). ``max_steps`` and ``warmup_steps`` may
+            change (the schedule is re-evaluated at the saved step, so a finished run can be
+            extended); the peak ``lr`` is the checkpoint's (it lives in the scheduler state).
+        val_examples: held-out examples; if given, :func:`validate` runs before and after.
+        pad_token_id: id used to right-pad (masked out everywhere); default: the target's
+            ``config.pad_token_id``, else its ``eos_token_id``, else 0.
+        logger: optional object with ``log(metrics: dict, step: int)``.
+        progress: show a tqdm bar (loss, completion tokens/s, expected acceptance).
+
+    Returns:
+        ``steps``, ``final_loss``, ``mean_loss_last_10`` (plain mean over the last 10 steps),
+        ``tokens_seen`` (completion tokens, including resumed steps), ``train_s`` and
+        ``tokens_per_s`` (this call only), ``checkpoint`` (path of the last checkpoint), and
+        with ``val_examples``: ``val_loss_before/after``, ``val_expected_acceptance_before/after``.
+
+    Raises:
+        DraftsmithError: non-finite loss (names the step), no usable example, no trainable
+            parameter, or a checkpoint that does not match the run.
+        ValueError: an argument out of range.
+    """
+    spec = LossSpec(loss, jsd_beta, temperature)
+    _check_args(spec, lr=lr, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum,
+                max_seq_len=max_seq_len, warmup_steps=warmup_steps, seed=seed,
+                checkpoint_every=checkpoint_every)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    pad_token_id = _default_pad_id(target) if pad_token_id is None else pad_token_id
+    run = _setup(drafter, target, examples, spec=spec, lr=lr, max_steps=max_steps, batch_size=batch_size,
+                 grad_accum=grad_accum, max_seq_len=max_seq_len, warmup_steps=warmup_steps,
+                 weight_decay=weight_decay, seed=seed, resume_from=resume_from, pad_token_id=pad_token_id)
+    accelerator, drafter, optimizer, scheduler = run.accelerator, run.drafter, run.optimizer, run.scheduler
+    result: dict[str, Any] = {}
+    if val_examples:
+        result.update(_prefixed(validate(drafter, target, val_examples, loss=loss, jsd_beta=jsd_beta,
+                                         temperature=temperature, batch_size=batch_size,
+                                         max_seq_len=max_seq_len, pad_token_id=pad_token_id), "before"))
+
+    batches = iter(run.loader)  # before restoring the RNG: creating an iterator may draw from it
+    if run.state is not None:
+        _set_rng_state(run.state["rng"])
+    history = _restart_metrics(output_dir, run.start_step)
+    metrics_file = (output_dir / METRICS_FILE).open("a", encoding="utf-8")
+    bar = _progress_bar(progress, run.start_step, max_steps)
+    examples_seen, tokens_seen = run.examples_seen, run.tokens_seen
+    checkpoint = Path(resume_from) if resume_from is not None else None
+    call_tokens, t_start = 0, time.perf_counter()
+    try:
+        for step in range(run.start_step + 1, max_steps + 1):
+            t0, lr_now, grad_norm = time.perf_counter(), scheduler.get_last_lr()[0], float("nan")
+            micro_batches = [next(batches) for _ in range(grad_accum)]
+            step_tokens = sum(int(b["loss_mask"].sum()) for b in micro_batches)
+            loss_sum = accept_sum = 0.0
+            for batch in micro_batches:
+                with accelerator.accumulate(drafter):
+                    loss_value, accept = _loss_step(drafter, target, batch, spec)
+                    _check_finite("distillation loss", loss_value.item(), step)
+                    tokens = int(batch["loss_mask"].sum())
+                    # accelerate divides by grad_accum; this makes the step the token-weighted mean
+                    accelerator.backward(loss_value * (tokens * grad_accum / max(step_tokens, 1)))
+                    if accelerator.sync_gradients:
+                        grad_norm = float(accelerator.clip_grad_norm_(run.params, MAX_GRAD_NORM))
+                        _check_finite("gradient norm", grad_norm, step)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                loss_sum += loss_value.item() * tokens
+                accept_sum += accept
+            examples_seen += batch_size * grad_accum
+            tokens_seen += step_tokens
+            call_tokens += step_tokens
+            record = {"step": step, "loss": loss_sum / max(step_tokens, 1), "lr": lr_now, "tokens": step_tokens,
+                      "tokens_per_s": step_tokens / max(time.perf_counter() - t0, 1e-9),
+                      "expected_acceptance": accept_sum / max(step_tokens, 1), "grad_norm": grad_norm}
+            history.append(record["loss"])
+            _log_step(record, metrics_file, logger, bar)
+            if (checkpoint_every and step % checkpoint_every == 0) or step == max_steps:
+                checkpoint = _save_checkpoint(run, output_dir, step=step, examples_seen=examples_seen,
+                                              tokens_seen=tokens_seen)
+    finally:
+        train_s = time.perf_counter() - t_start
+        metrics_file.close()
+        bar.close()
+        run.loader.end()  # the stream is infinite: tell accelerate we left it
+        accelerator.free_memory()
+
+    if val_examples:
+        result.update(_prefixed(validate(drafter, target, val_examples, loss=loss, jsd_beta=jsd_beta,
+                                         temperature=temperature, batch_size=batch_size,
+                                         max_seq_len=max_seq_len, pad_token_id=pad_token_id), "after"))
+    result.update({
+        "steps": max(max_steps, run.start_step),
+        "final_loss": history[-1] if history else float("nan"),
+        "mean_loss_last_10": float(np.mean(history[-10:])) if history else float("nan"),
+        "tokens_seen": tokens_seen,
+        "train_s": train_s,
+        "tokens_per_s": call_tokens / train_s if train_s > 0 else 0.0,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+    })
+    return result
+
+
+@torch.no_grad()
+def validate(
+    drafter: torch.nn.Module,
+    target: torch.nn.Module,
+    examples: Sequence[dict],
+    *,
+    loss: str = "fkl",
+    jsd_beta: float = 0.5,
+    temperature: float = 1.0,
+    batch_size: int = 4,
+    max_seq_len: int = 512,
+    pad_token_id: int | None = None,
+) -> dict[str, float]:
+    """Held-out distillation loss and expected acceptance, without decoding.
+
+    Teacher-forced on the examples' completions (the target's answers), so it measures how
+    well the drafter matches the target where the target actually goes, at the cost of two
+    forwards per batch. ``expected_acceptance`` is the token-weighted mean of
+    ``sum_v min(p_v, q_v)`` (Leviathan et al. 2023, Cor. 3.6) at ``temperature``: the
+    acceptance rate speculative *sampling* would see, a proxy for the measured rate
+    (greedy decoding accepts on argmax agreement instead).
+
+    Args:
+        drafter, target: as in :func:`train_drafter`; both are put in eval mode for the call
+            and restored afterwards.
+        examples: dicts with ``prompt_ids`` and ``completion_ids``.
+        loss, jsd_beta, temperature, batch_size, max_seq_len, pad_token_id: as in training.
+
+    Returns:
+        ``{"loss": nats/token, "expected_acceptance": in [0, 1], "tokens": completion tokens,
+        "examples": examples used}``.
+
+    Raises:
+        DraftsmithError: no example has a completion position.
+    """
+    spec = LossSpec(loss, jsd_beta, temperature)
+    _check_args(spec)
+    examples = _usable_examples(examples, max_seq_len)
+    pad_token_id = _default_pad_id(target) if pad_token_id is None else pad_token_id
+    was_training = drafter.training
+    drafter.eval()
+    loss_sum = accept_sum = 0.0
+    tokens = 0
+    try:
+        for start in range(0, len(examples), batch_size):
+            batch = collate(examples[start:start + batch_size], pad_token_id=pad_token_id, max_seq_len=max_seq_len)
+            batch = {k: v.to(_device(drafter)) for k, v in batch.items()}
+            n = int(batch["loss_mask"].sum())
+            loss_value, accept = _loss_step(drafter, target, batch, spec)
+            loss_sum += loss_value.item() * n
+            accept_sum += accept
+            tokens += n
+    finally:
+        drafter.train(was_training)
+    return {"loss": loss_sum / tokens, "expected_acceptance": accept_sum / tokens, "tokens": tokens,
+            "examples": len(examples)}
+
+
+def collate(examples: Sequence[dict], *, pad_token_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch of prompt + completion sequences.
+
+    Returns ``input_ids`` (B, T) int64, ``attention_mask`` (B, T) int64, ``labels`` (B, T) int64
+    (the next token; ``pad_token_id`` at the last position) and ``loss_mask`` (B, T) bool, True
+    at the positions whose next token is a completion token (prompt and padding masked).
+    T is the longest sequence in the batch after truncation to ``max_seq_len``.
+    """
+    seqs, prompt_lens = [], []
+    for ex in examples:
+        prompt, completion = _truncate(list(ex["prompt_ids"]), list(ex["completion_ids"]), max_seq_len)
+        seqs.append(prompt + completion)
+        prompt_lens.append(len(prompt))
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, (seq, prompt_len) in enumerate(zip(seqs, prompt_lens)):
+        ids = torch.tensor(seq, dtype=torch.long)
+        input_ids[i, :len(seq)] = ids
+        labels[i, :len(seq) - 1] = ids[1:]
+        attention_mask[i, :len(seq)] = 1
+        loss_mask[i, max(prompt_len - 1, 0):len(seq) - 1] = True
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "loss_mask": loss_mask}
+
+
+# ---------------------------------------------------------------------------------------------
+# setup
+
+
+@dataclass
+class _Run:
+    accelerator: Any
+    drafter: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    params: list
+    state: dict | None
+    start_step: int
+    examples_seen: int
+    tokens_seen: int
+    data_key: dict
+
+
+def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_accum, max_seq_len,
+           warmup_steps, weight_decay, seed, resume_from, pad_token_id) -> _Run:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import get_linear_schedule_with_warmup
+
+    examples = _usable_examples(examples, max_seq_len)
+    data_key = {"seed": seed, "batch_size": batch_size, "grad_accum": grad_accum,
+                "num_examples": len(examples), "max_seq_len": max_seq_len}
+    state = None
+    if resume_from is not None:
+        state = _read_state(Path(resume_from), data_key)
+        _load_weights(drafter, Path(resume_from))
+    else:
+        set_seed(seed)
+    accelerator = Accelerator(gradient_accumulation_steps=grad_accum)
+    _place_target(target, accelerator.device)
+    target.eval()
+    drafter.train()
+
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    if not params:
+        raise DraftsmithError("the drafter has no trainable parameter: build it with lora settings "
+                              "or without freezing it")
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=lr)
+    scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, max_steps)
+    examples_seen = state["examples_seen"] if state else 0
+    loader = DataLoader(
+        examples, batch_size=batch_size,
+        sampler=_StreamSampler(len(examples), seed, start=examples_seen),
+        collate_fn=partial(collate, pad_token_id=pad_token_id, max_seq_len=max_seq_len),
+        generator=torch.Generator().manual_seed(seed))
+    # The scheduler is stepped by hand once per optimizer step (accelerate's prepared scheduler
+    # would step once per process).
+    drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
+    if state is not None:
+        optimizer.load_state_dict(torch.load(Path(resume_from) / "optimizer.pt", weights_only=True))
+        scheduler.load_state_dict(torch.load(Path(resume_from) / "scheduler.pt", weights_only=True))
+        # re-evaluate the lr at the saved step under *this* schedule (max_steps may have grown)
+        scheduler.last_epoch -= 1
+        scheduler.step()
+    return _Run(accelerator, drafter, optimizer, scheduler, loader, params, state,
+                start_step=state["step"] if state else 0, examples_seen=examples_seen,
+                tokens_seen=state["tokens_seen"] if state else 0, data_key=data_key)
+
+
+class _StreamSampler(Sampler[int]):
+    """Endless example order: epoch e is ``default_rng([seed, e]).permutation(n)``, from ``start``."""
+
+    def __init__(self, num_examples: int, seed: int, start: int = 0) -> None:
+        self.num_examples, self.seed, self.start = num_examples, seed, start
+
+    def __iter__(self):
+        epoch, offset = divmod(self.start, self.num_examples)
+        while True:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+            yield from order[offset:].tolist()
+            epoch, offset = epoch + 1, 0
+
+
+def _usable_examples(examples: Sequence[dict], max_seq_len: int) -> list[dict]:
+    usable = []
+    for ex in examples:
+        prompt, completion = _truncate(list(ex["prompt_ids"]), list(ex["completion_ids"]), max_seq_len)
+        if len(prompt) + len(completion) - 1 - max(len(prompt) - 1, 0) > 0:
+            usable.append({"prompt_ids": prompt, "completion_ids": completion})
+    if not usable:
+        raise DraftsmithError(f"none of the {len(examples)} examples has a completion token to learn "
+                              "from: check the generate stage output (empty answers?) or raise max_seq_len")
+    if len(usable) < len(examples):
+        log.warning("skipping %d of %d examples without completion tokens", len(examples) - len(usable),
+                    len(examples))
+    return usable
+
+
+def _truncate(prompt: list[int], completion: list[int], max_seq_len: int) -> tuple[list[int], list[int]]:
+    """Fit prompt + completion into ``max_seq_len``: the prompt keeps its last tokens (at least
+    half the window when the completion is long), the completion its first ones."""
+    if len(prompt) + len(completion) <= max_seq_len:
+        return prompt, completion
+    prompt_keep = min(len(prompt), max(max_seq_len - len(completion), max_seq_len // 2))
+    return prompt[len(prompt) - prompt_keep:], completion[:max_seq_len - prompt_keep]
+
+
+# ---------------------------------------------------------------------------------------------
+# loss step
+
+
+def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tensor, float]:
+    """One forward of both models on ``batch``.
+
+    Returns the drafter's loss (0-dim, with graph if grad is on; mean over ``loss_mask``) and
+    the *sum* of expected acceptance over the masked positions (float).
+    """
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        target_device = _device(target)
+        target_logits = target(**{k: v.to(target_device) for k, v in inputs.items()}, use_cache=False).logits
+    student_logits = drafter(**inputs, use_cache=False).logits
+    target_logits = target_logits.to(student_logits.device)
+    loss = distillation_loss(student_logits, target_logits, batch["loss_mask"], kind=spec.kind,
+                             jsd_beta=spec.jsd_beta, temperature=spec.temperature, labels=batch["labels"])
+    with torch.no_grad():
+        accept = expected_acceptance(student_logits.detach(), target_logits, batch["loss_mask"],
+                                     temperature=spec.temperature).sum().item()
+    return loss, accept
+
+
+# ---------------------------------------------------------------------------------------------
+# logging
+
+
+def _log_step(record: dict, metrics_file, logger, bar) -> None:
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+    if logger is not None:
+        logger.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+    bar.update(1)
+    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                    acc=f"{record['expected_acceptance']:.3f}")
+
+
+def _progress_bar(enabled: bool, start: int, total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, disable=not enabled, desc="distill", unit="step", dynamic_ncols=True)
+
+
+def _restart_metrics(output_dir: Path, start_step: int) -> list[float]:
+    """Keep the metrics of steps <= start_step (drop those of a crashed continuation); return their losses."""
+    path = output_dir / METRICS_FILE
+    kept: list[str] = []
+    if start_step > 0 and path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip() and json.loads(line).get("step", 0) <= start_step:
+                kept.append(line)
+    _atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return [json.loads(line)["loss"] for line in kept]
+
+
+def _prefixed(metrics: dict, when: str) -> dict:
+    return {f"val_loss_{when}": metrics["loss"], f"val_expected_acceptance_{when}": metrics["expected_acceptance"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# save / resume
+
+
+def _save_checkpoint(run: _Run, output_dir: Path, *, step: int, examples_seen: int, tokens_seen: int) -> Path:
+    """Write ``checkpoint-<step>/`` atomically (temp folder, then rename) and return its path."""
+    accelerator = run.accelerator
+    final = output_dir / f"checkpoint-{step}"
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        tmp = output_dir / f".checkpoint-{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        accelerator.unwrap_model(run.drafter).save_pretrained(tmp)
+        torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
+        state = {"format": STATE_FORMAT, "step": step, "examples_seen": examples_seen,
+                 "tokens_seen": tokens_seen, "data": run.data_key, "rng": _get_rng_state()}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
+        if final.exists():
+            old = output_dir / f".checkpoint-{step}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _read_state(path: Path, data_key: dict) -> dict:
+    state_path = path / STATE_FILE
+    if not state_path.is_file():
+        raise DraftsmithError(f"{path} is not a complete checkpoint (no {STATE_FILE}): resume from another "
+                              "checkpoint-<step> folder or start fresh")
+    state = json.loads(state_path.read_text(encoding="utf-8"))
+    if state.get("format") != STATE_FORMAT:
+        raise DraftsmithError(f"{state_path} has format {state.get('format')}, expected {STATE_FORMAT}: start fresh")
+    changed = {k: (state["data"].get(k), v) for k, v in data_key.items() if state["data"].get(k) != v}
+    if changed:
+        detail = ", ".join(f"{k}: checkpoint {old} vs now {new}" for k, (old, new) in changed.items())
+        raise DraftsmithError(f"cannot resume from {path}: the data order would change ({detail}); "
+                              "resume with the same examples and settings, or start fresh")
+    return state
+
+
+def _load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load a ``save_pretrained`` folder (full model or peft adapter) into ``model`` in place."""
+    from peft import PeftModel, load_peft_weights, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if isinstance(model, PeftModel):
+        if not (path / "adapter_config.json").is_file():
+            raise DraftsmithError(f"{path} holds no LoRA adapter but the drafter is a LoRA model: "
+                                  "build the drafter as in the run that wrote the checkpoint")
+        result = set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"))
+        if result.unexpected_keys:
+            raise DraftsmithError(f"adapter in {path} does not fit the drafter (unexpected "
+                                  f"{result.unexpected_keys[:3]}): build the drafter with the same LoRA settings")
+        return
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise DraftsmithError(f"{path} holds no full model weights (model.safetensors) but the drafter is "
+                              "trained in full: build the drafter as in the run that wrote the checkpoint")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(str(path / name)))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    own = model.state_dict(keep_vars=True)
+    loaded_ids = {id(own[k]) for k in weights if k in own}
+    missing = [k for k in missing if id(own[k]) not in loaded_ids]  # tied weights are saved once
+    if missing or unexpected:
+        raise DraftsmithError(f"weights in {path} do not fit the drafter (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}): build the drafter as in the run that wrote the checkpoint")
+
+
+def _get_rng_state() -> dict:
+    def encode(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+    state = {"torch": encode(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = [encode(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    def decode(s: str) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy())
+
+    torch.set_rng_state(decode(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _check_args(spec: LossSpec, **kw) -> None:
+    if spec.kind not in LOSS_KINDS:
+        raise ValueError(f"loss must be one of {LOSS_KINDS}, got {spec.kind!r}")
+    if not 0.0 <= spec.jsd_beta <= 1.0:
+        raise ValueError(f"jsd_beta must be in [0, 1], got {spec.jsd_beta}")
+    if not spec.temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {spec.temperature}")
+    minimum = {"lr": 0.0, "max_steps": 1, "batch_size": 1, "grad_accum": 1, "max_seq_len": 2,
+               "warmup_steps": 0, "seed": 0, "checkpoint_every": 0}
+    for name, value in kw.items():
+        bad = value <= 0 if name == "lr" else value < minimum[name]
+        if bad or (isinstance(value, float) and not math.isfinite(value)):
+            limit = "> 0" if name == "lr" else f">= {minimum[name]}"
+            raise ValueError(f"{name} must be {limit}, got {value}")
+
+
+def _check_finite(what: str, value: float, step: int) -> None:
+    if not math.isfinite(value):
+        raise DraftsmithError(
+            f"{what} is {value} at step {step}: lower distill.lr, check the target's logits (load the "
+            "target in float32 if bf16/fp16 overflows), or resume from the last good checkpoint")
+
+
+def _default_pad_id(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _place_target(target: torch.nn.Module, device: torch.device) -> None:
+    if getattr(target, "hf_device_map", None) is None and _device(target) != device:
+        target.to(device)

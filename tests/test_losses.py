@@ -1,0 +1,223 @@
+"""Exact checks of the distillation losses (distill/losses.py)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, per_token_divergence
+
+B, T, V = 2, 5, 11
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: with 2 intra-op threads on a shared CPU a forward takes ~250 ms instead of ~3 ms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _logits(seed: int, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(B, T, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.fixture
+def student():
+    return _logits(0)
+
+
+@pytest.fixture
+def target():
+    return _logits(1)
+
+
+@pytest.fixture
+def mask():
+    m = torch.ones(B, T, dtype=torch.bool)
+    m[0, :2] = False  # "prompt"
+    m[1, -1] = False  # "padding"
+    return m
+
+
+@pytest.fixture
+def labels():
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+
+
+def _reference_kl(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) per position in float64."""
+    logp_a, logp_b = logp_a.double(), logp_b.double()
+    return (logp_a.exp() * (logp_a - logp_b)).sum(-1)
+
+
+@pytest.mark.parametrize("kind,beta", [("fkl", 0.5), ("rkl", 0.5), ("tvd", 0.5), ("jsd", 0.0), ("jsd", 0.1),
+                                       ("jsd", 0.5), ("jsd", 0.9), ("jsd", 1.0)])
+def test_identical_logits_give_zero(target, mask, kind, beta):
+    loss = distillation_loss(target.clone(), target, mask, kind=kind, jsd_beta=beta)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert abs(loss.item()) < 1e-6
+
+
+def test_identical_logits_accept_everything(target, mask):
+    acc = expected_acceptance(target.clone(), target, mask)
+    assert torch.allclose(acc[mask], torch.ones(int(mask.sum())), atol=1e-6)
+    assert torch.all(acc[~mask] == 0)
+
+
+def test_fkl_is_true_kl(student, target, mask):
+    loss = distillation_loss(student, target, mask, kind="fkl")
+    student_logp, target_logp = F.log_softmax(student, -1), F.log_softmax(target, -1)
+    # torch reference: kl_div(input=log q, target=log p) = sum p (log p - log q)
+    ref = F.kl_div(student_logp[mask], target_logp[mask], reduction="batchmean", log_target=True)
+    assert torch.allclose(loss, ref, atol=1e-6)
+    # KL(p || q) = H(p, q) - H(p): cross-entropy minus the target entropy (not cross-entropy alone)
+    target_probs = target_logp.exp()
+    cross_entropy = -(target_probs * student_logp).sum(-1)[mask].mean()
+    entropy = -(target_probs * target_logp).sum(-1)[mask].mean()
+    assert torch.allclose(loss, cross_entropy - entropy, atol=1e-5)
+    assert loss.item() < cross_entropy.item() - 0.1
+
+
+def test_rkl_is_reverse(student, target, mask):
+    loss = distillation_loss(student, target, mask, kind="rkl")
+    ref = _reference_kl(F.log_softmax(student, -1), F.log_softmax(target, -1))[mask].mean()
+    assert math.isclose(loss.item(), ref.item(), rel_tol=1e-5)
+    assert not math.isclose(loss.item(), distillation_loss(student, target, mask, kind="fkl").item(), rel_tol=1e-3)
+
+
+def test_jsd_endpoints_are_fkl_and_rkl(student, target, mask):
+    fkl = distillation_loss(student, target, mask, kind="fkl")
+    rkl = distillation_loss(student, target, mask, kind="rkl")
+    assert torch.equal(distillation_loss(student, target, mask, kind="jsd", jsd_beta=0.0), fkl)
+    assert torch.equal(distillation_loss(student, target, mask, kind="jsd", jsd_beta=1.0), rkl)
+    # continuous at the ends: the scaled JSD tends to FKL as beta -> 0 and RKL as beta -> 1 (the gap
+    # shrinks like O(beta), with a constant set by the chi-square divergence, so it is slow)
+    gaps0, gaps1 = [], []
+    for eps in (1e-2, 1e-3, 1e-4, 1e-5):
+        gaps0.append(abs(distillation_loss(student, target, mask, kind="jsd", jsd_beta=eps).item() - fkl.item()))
+        gaps1.append(abs(distillation_loss(student, target, mask, kind="jsd", jsd_beta=1 - eps).item() - rkl.item()))
+    assert gaps0 == sorted(gaps0, reverse=True) and gaps0[-1] < 1e-3 * fkl.item()
+    assert gaps1 == sorted(gaps1, reverse=True) and gaps1[-1] < 1e-3 * rkl.item()
+
+
+def test_jsd_matches_gkd_definition_scaled(student, target, mask):
+    beta = 0.3
+    target_probs = F.softmax(target.double(), -1)
+    draft_probs = F.softmax(student.double(), -1)
+    mixture = beta * target_probs + (1 - beta) * draft_probs
+    gkd = (beta * _reference_kl(target_probs.log(), mixture.log())
+           + (1 - beta) * _reference_kl(draft_probs.log(), mixture.log()))[mask].mean()
+    loss = distillation_loss(student, target, mask, kind="jsd", jsd_beta=beta)
+    assert math.isclose(loss.item(), gkd.item() / (beta * (1 - beta)), rel_tol=1e-4)
+
+
+def test_tvd_is_one_minus_overlap(student, target, mask):
+    target_probs, draft_probs = F.softmax(target, -1), F.softmax(student, -1)
+    overlap = torch.minimum(target_probs, draft_probs).sum(-1)
+    tvd = per_token_divergence(student, target, kind="tvd")
+    assert torch.allclose(tvd, 1 - overlap, atol=1e-6)
+    loss = distillation_loss(student, target, mask, kind="tvd")
+    assert torch.allclose(loss, (1 - overlap)[mask].mean(), atol=1e-6)
+    acc = expected_acceptance(student, target, mask)
+    assert acc.shape == (B, T)
+    assert torch.allclose(acc[mask], overlap[mask], atol=1e-6)
+    assert torch.all(acc[~mask] == 0)
+
+
+def test_ce_is_cross_entropy_on_labels(student, target, mask, labels):
+    loss = distillation_loss(student, target, mask, kind="ce", labels=labels)
+    ref = F.cross_entropy(student[mask], labels[mask])
+    assert torch.allclose(loss, ref, atol=1e-6)
+    with pytest.raises(ValueError, match="labels"):
+        distillation_loss(student, target, mask, kind="ce")
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_masked_positions_are_ignored(student, target, mask, labels, kind):
+    loss = distillation_loss(student, target, mask, kind=kind, labels=labels)
+    garbage_student, garbage_target = student.clone(), target.clone()
+    garbage_student[~mask] = float("nan")
+    garbage_target[~mask] = 1e4
+    assert torch.equal(distillation_loss(garbage_student, garbage_target, mask, kind=kind, labels=labels), loss)
+    # token-weighted mean over the selected positions only
+    per_token = per_token_divergence(student, target, kind=kind, labels=labels)
+    assert torch.allclose(loss, per_token[mask].mean(), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_padding_vocab_rows_are_sliced(student, target, mask, labels, kind):
+    loss = distillation_loss(student, target, mask, kind=kind, labels=labels)
+    padded_student = torch.cat([student, torch.full((B, T, 5), 50.0)], dim=-1)  # huge logits on pad rows
+    padded_target = torch.cat([target, torch.full((B, T, 2), -3.0)], dim=-1)
+    assert torch.allclose(distillation_loss(padded_student, target, mask, kind=kind, labels=labels), loss)
+    assert torch.allclose(distillation_loss(student, padded_target, mask, kind=kind, labels=labels), loss)
+    assert torch.allclose(expected_acceptance(padded_student, target, mask), expected_acceptance(student, target, mask))
+    # both padded: the common min(V) columns count, here V + 2 (so the student's first 2 pad rows do)
+    both = distillation_loss(padded_student, padded_target, mask, kind=kind, labels=labels)
+    assert torch.allclose(both, distillation_loss(padded_student[..., :V + 2], padded_target, mask, kind=kind,
+                                                  labels=labels))
+
+
+def test_temperature_scales_both_distributions(student, target, mask):
+    loss = distillation_loss(student, target, mask, kind="fkl", temperature=2.0)
+    assert torch.allclose(loss, distillation_loss(student / 2, target / 2, mask, kind="fkl"), atol=1e-6)
+
+
+def test_low_precision_inputs_computed_in_float32(student, target, mask):
+    loss = distillation_loss(student.bfloat16(), target.bfloat16(), mask, kind="fkl")
+    ref = distillation_loss(student.bfloat16().float(), target.bfloat16().float(), mask, kind="fkl")
+    assert loss.dtype == torch.float32 and torch.equal(loss, ref)
+
+
+@pytest.mark.parametrize("kind,beta", [("fkl", 0.5), ("rkl", 0.5), ("tvd", 0.5), ("ce", 0.5), ("jsd", 0.0),
+                                       ("jsd", 0.5), ("jsd", 1.0)])
+def test_gradients_are_finite(target, mask, labels, kind, beta):
+    student = (_logits(3, scale=30.0)).requires_grad_(True)  # peaked distributions, tiny probabilities
+    loss = distillation_loss(student, target * 15, mask, kind=kind, jsd_beta=beta, labels=labels)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(student.grad).all()
+    assert student.grad[~mask].abs().sum() == 0  # no gradient into masked positions
+    assert student.grad[mask].abs().sum() > 0
+
+
+def test_empty_mask_gives_zero_with_graph(student, target):
+    student = student.requires_grad_(True)
+    loss = distillation_loss(student, target, torch.zeros(B, T, dtype=torch.bool), kind="fkl")
+    loss.backward()
+    assert loss.item() == 0.0 and torch.all(student.grad == 0)
+
+
+def test_bad_arguments(student, target, mask):
+    with pytest.raises(ValueError, match="kind"):
+        distillation_loss(student, target, mask, kind="kl")
+    with pytest.raises(ValueError, match="jsd_beta"):
+        distillation_loss(student, target, mask, kind="jsd", jsd_beta=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        distillation_loss(student, target, mask, kind="fkl", temperature=0.0)
+    with pytest.raises(ValueError, match="shapes"):
+        distillation_loss(student, target[:, :-1], mask, kind="fkl")
+
+
+@pytest.mark.parametrize("kind,beta", [("fkl", 0.5), ("rkl", 0.5), ("tvd", 0.5), ("jsd", 0.0), ("jsd", 0.5),
+                                       ("jsd", 1.0)])
+@pytest.mark.parametrize("side", ["student", "target"])
+def test_nan_at_a_counted_position_propagates(student, target, mask, kind, beta, side):
+    bad = (student if side == "student" else target).clone()
+    bad[1, 0, 3] = float("nan")  # mask[1, 0] is True
+    args = (bad, target) if side == "student" else (student, bad)
+    assert torch.isnan(distillation_loss(*args, mask, kind=kind, jsd_beta=beta))
+
+
+def test_zero_probability_tokens(mask):
+    target = torch.zeros(B, T, V)
+    target[..., 0] = -float("inf")  # a token the target never emits (p = 0 exactly)
+    student = _logits(4).requires_grad_(True)
+    for kind, beta in (("fkl", 0.5), ("jsd", 0.0), ("jsd", 0.5), ("tvd", 0.5)):
+        loss = distillation_loss(student, target, mask, kind=kind, jsd_beta=beta)
+        (grad,) = torch.autograd.grad(loss, student)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), (kind, beta)
+    # KL(q || p) is infinite when the drafter puts mass where the target has none
+    assert distillation_loss(student, target, mask, kind="rkl") == float("inf")

@@ -1,0 +1,181 @@
+"""Training loop (distill/train.py) on tiny random Qwen2 models."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from distill.drafters import LoraSettings, build_drafter
+from distill.errors import DraftsmithError
+from distill.train import collate, train_drafter, validate
+
+VOCAB = 300
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: with 2 intra-op threads on a shared CPU a forward takes ~250 ms instead of ~3 ms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny_qwen2(num_layers: int, seed: int, init_range: float) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=init_range, tie_word_embeddings=False, pad_token_id=0)
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def target():
+    # a wide init makes peaked next-token distributions, far from a fresh drafter's
+    return _tiny_qwen2(4, seed=0, init_range=0.2).eval()
+
+
+@pytest.fixture(scope="module")
+def examples():
+    g = torch.Generator().manual_seed(1)
+
+    def ids(lo, hi):
+        return torch.randint(1, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    return [{"prompt_ids": ids(3, 10), "completion_ids": ids(5, 20)} for _ in range(10)]
+
+
+def _sibling(seed=1):
+    return build_drafter(_tiny_qwen2(2, seed=seed, init_range=0.02), init="sibling")
+
+
+def _lora_cut(target, dropout=0.1):
+    torch.manual_seed(123)
+    return build_drafter(target, init="layers", num_layers=2, layer_selection="even",
+                         lora=LoraSettings(r=4, alpha=8, dropout=dropout))
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+class _Recorder:
+    def __init__(self, fail_at=None):
+        self.records, self.fail_at = [], fail_at
+
+    def log(self, metrics, step):
+        if step == self.fail_at:
+            raise KeyboardInterrupt(f"simulated crash at step {step}")
+        self.records.append((step, metrics))
+
+
+def test_collate_masks_prompt_and_padding():
+    batch = collate([{"prompt_ids": [1, 2, 3], "completion_ids": [4, 5]},
+                     {"prompt_ids": [6], "completion_ids": [7, 8, 9, 10]}], pad_token_id=0, max_seq_len=8)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    assert batch["labels"].tolist() == [[2, 3, 4, 5, 0], [7, 8, 9, 10, 0]]
+    # positions whose next token is a completion token
+    assert batch["loss_mask"].tolist() == [[False, False, True, True, False], [True, True, True, True, False]]
+    padded = collate([{"prompt_ids": [1], "completion_ids": [2]}, {"prompt_ids": [3, 4], "completion_ids": [5, 6]}],
+                     pad_token_id=0, max_seq_len=8)
+    assert padded["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert padded["loss_mask"].tolist() == [[True, False, False, False], [False, True, True, False]]
+    # too long: the prompt keeps its tail (half the window), the completion its head
+    cut = collate([{"prompt_ids": list(range(1, 11)), "completion_ids": list(range(11, 21))}], pad_token_id=0,
+                  max_seq_len=8)
+    assert cut["input_ids"].tolist() == [[7, 8, 9, 10, 11, 12, 13, 14]]
+
+
+def test_fkl_steps_reduce_loss_and_raise_acceptance(target, examples, tmp_path):
+    torch.manual_seed(0)
+    logger = _Recorder()
+    result = train_drafter(_sibling(), target, examples, loss="fkl", lr=1e-2, max_steps=8, batch_size=4,
+                           output_dir=tmp_path, val_examples=examples[:6], logger=logger, progress=False)
+    assert result["val_loss_after"] < 0.95 * result["val_loss_before"]
+    assert result["val_expected_acceptance_after"] > result["val_expected_acceptance_before"]
+    assert result["steps"] == 8 and result["tokens_seen"] > 0 and result["tokens_per_s"] > 0
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 9))
+    assert {"loss", "lr", "tokens", "tokens_per_s", "expected_acceptance"} <= lines[0].keys()
+    assert [s for s, _ in logger.records] == list(range(1, 9))
+    assert lines[-1]["lr"] < lines[0]["lr"] == 1e-2  # linear decay
+    ckpt = tmp_path / "checkpoint-8"
+    assert result["checkpoint"] == str(ckpt)
+    for name in ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "trainer_state.json"):
+        assert (ckpt / name).is_file(), name
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 8 and state["examples_seen"] == 32
+    assert not list(tmp_path.glob(".checkpoint-*"))
+
+
+def test_resume_matches_uninterrupted_run(target, examples, tmp_path):
+    # 4 examples per step over 10 examples: the stream crosses an epoch boundary mid-batch
+    settings = dict(loss="jsd", lr=5e-3, max_steps=4, batch_size=2, grad_accum=2, warmup_steps=1,
+                    checkpoint_every=2, seed=7, progress=False)
+    torch.manual_seed(0)
+    full = train_drafter(_lora_cut(target), target, examples, output_dir=tmp_path / "a", **settings)
+
+    torch.manual_seed(0)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(_lora_cut(target), target, examples, output_dir=tmp_path / "b",
+                      logger=_Recorder(fail_at=4), **settings)
+    assert len(_losses(tmp_path / "b")) == 4 and (tmp_path / "b" / "checkpoint-2").is_dir()
+
+    torch.manual_seed(999)  # a different RNG state and fresh adapters: all restored from the checkpoint
+    resumed = train_drafter(_lora_cut(target), target, examples, output_dir=tmp_path / "b",
+                            resume_from=tmp_path / "b" / "checkpoint-2", **settings)
+    assert len(_losses(tmp_path / "b")) == 4
+    assert torch.allclose(torch.tensor(_losses(tmp_path / "b")), torch.tensor(_losses(tmp_path / "a")),
+                          rtol=1e-6, atol=0)
+    assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-6)
+    assert resumed["tokens_seen"] == full["tokens_seen"]
+
+    with pytest.raises(DraftsmithError, match="batch_size"):
+        train_drafter(_lora_cut(target), target, examples, output_dir=tmp_path / "c",
+                      resume_from=tmp_path / "b" / "checkpoint-2", **{**settings, "batch_size": 3})
+
+
+def test_nan_loss_names_the_step(target, examples, tmp_path):
+    calls = {"n": 0}
+
+    def poison(module, args, output):
+        calls["n"] += 1
+        if calls["n"] > 2:  # the third target forward: step 3 with grad_accum=1
+            output.logits.fill_(float("nan"))
+
+    handle = target.register_forward_hook(poison)
+    try:
+        with pytest.raises(DraftsmithError, match="step 3"):
+            train_drafter(_sibling(), target, examples, max_steps=5, batch_size=2, output_dir=tmp_path,
+                          progress=False)
+    finally:
+        handle.remove()
+    assert len(_losses(tmp_path)) == 2
+
+
+def test_lora_training_changes_only_adapters(target, examples, tmp_path):
+    drafter = _lora_cut(target, dropout=0.0)
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    train_drafter(drafter, target, examples, loss="tvd", lr=1e-2, max_steps=3, batch_size=4, output_dir=tmp_path,
+                  progress=False)
+    changed = {n for n, p in drafter.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert any("lora_B" in n for n in changed)
+    ckpt = tmp_path / "checkpoint-3"
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("loss", ["rkl", "ce", "tvd"])
+def test_other_losses_run(target, examples, tmp_path, loss):
+    result = train_drafter(_sibling(), target, examples[:4], loss=loss, max_steps=1, batch_size=2,
+                           output_dir=tmp_path, progress=False)
+    assert result["final_loss"] > 0
+
+
+def test_validate_restores_mode_and_counts_tokens(target, examples):
+    drafter = _sibling()
+    metrics = validate(drafter, target, examples[:3], batch_size=2)
+    expected_tokens = sum(len(e["completion_ids"]) for e in examples[:3])
+    assert metrics["tokens"] == expected_tokens and 0 < metrics["expected_acceptance"] < 1
+    assert drafter.training
