@@ -147,6 +147,30 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
     return figures
 
 
+def run_target_alone(target, prompts: list[tuple[str, str, list[int]]], *, max_new_tokens: int,
+                     eos_token_ids: Sequence[int], temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     seed: int = 0, vocab_size: int | None = None, progress: bool = True) -> list[SpeculativeOutput]:
+    """The target decoding alone on each prompt (our KV-cached loop), for :func:`benchmark`'s ``target_outputs``.
+
+    Args:
+        prompts: ``(prompt_id, category, token ids)`` triples.
+        vocab_size: sample over the first ``vocab_size`` logits (the vocabulary shared with the drafters).
+    Returns:
+        one :class:`SpeculativeOutput` per prompt, with decode-only timings in its stats.
+    """
+    device = target.device
+    warm_up = torch.tensor([prompts[0][2]], device=device)
+    target_generate(target, warm_up, max_new_tokens=min(4, max_new_tokens), eos_token_ids=eos_token_ids,
+                    temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size)
+    outputs = []
+    for _, _, ids in tqdm(prompts, desc="target alone", unit="prompt", disable=not progress):
+        outputs.append(target_generate(
+            target, torch.tensor([list(ids)], device=device), max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_token_ids, temperature=temperature, top_k=top_k, top_p=top_p,
+            generator=torch.Generator(device=device).manual_seed(seed), vocab_size=vocab_size))
+    return outputs
+
+
 def benchmark(
     target,
     drafter,
@@ -161,6 +185,7 @@ def benchmark(
     hf_assisted: bool = True,
     progress: bool = True,
     seed: int = 0,
+    target_outputs: Sequence[SpeculativeOutput] | None = None,
 ) -> dict:
     """Measure our speculative decoder against the target alone and HF assisted generation.
 
@@ -191,6 +216,8 @@ def benchmark(
         hf_assisted: also run HF assisted generation.
         progress: show a tqdm bar with the running acceptance rate.
         seed: seeds the per-prompt generators when sampling.
+        target_outputs: the target-alone runs of these prompts from :func:`run_target_alone`
+            (same settings), to measure several drafters against one baseline run; None runs it here.
 
     Returns:
         A dict: ``acceptance_rate``, ``alpha``, ``mean_accepted_tokens`` (tau,
@@ -209,6 +236,8 @@ def benchmark(
     """
     if not prompts:
         raise ValueError("benchmark needs at least one prompt")
+    if target_outputs is not None and len(target_outputs) != len(prompts):
+        raise ValueError(f"target_outputs has {len(target_outputs)} runs for {len(prompts)} prompts")
     device, greedy = target.device, temperature == 0
     vocab = min(_vocab_size(target), _vocab_size(drafter))
     decode_args = dict(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, temperature=temperature,
@@ -236,11 +265,12 @@ def benchmark(
 
     runs: list[_PromptRun] = []
     bar = tqdm(prompts, desc=f"speculative K={draft_length}", unit="prompt", disable=not progress)
-    for prompt_id, category, ids in bar:
+    for i, (prompt_id, category, ids) in enumerate(bar):
         input_ids = torch.tensor([list(ids)], device=device)
         run = _PromptRun(
             prompt_id, category,
-            target=target_generate(target, input_ids, **decode_args, generator=generator(), vocab_size=vocab),
+            target=target_outputs[i] if target_outputs is not None else
+            target_generate(target, input_ids, **decode_args, generator=generator(), vocab_size=vocab),
             speculative=speculative_generate(target, drafter, input_ids, draft_length=draft_length,
                                              **decode_args, generator=generator()),
         )

@@ -99,6 +99,9 @@ class DistillConfig:
     jsd_beta: float = 0.5  # generalized JSD weight: 0 = forward KL, 1 = reverse KL (GKD)
     temperature: float = 1.0  # softmax temperature of both distributions in the loss
     method: str = "lora"  # lora | full
+    # With method=full: keep the input embeddings and LM head frozen (they are the target family's own,
+    # 2 x 136M parameters in a Qwen 0.5B drafter) and train the decoder layers and final norm only.
+    freeze_embeddings: bool = True
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0

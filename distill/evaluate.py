@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.benchmark import benchmark
+from decode.benchmark import benchmark, run_target_alone
 from distill.config import Config
 from distill.errors import DraftsmithError
 from distill.generate import load_generated
@@ -68,13 +68,22 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     settings = dict(draft_length=dec.draft_length, max_new_tokens=dec.max_new_tokens, eos_token_ids=eos,
                     temperature=dec.temperature, top_k=dec.top_k, top_p=dec.top_p, seed=cfg.evaluate.seed)
 
-    print(f"evaluate: tuned drafter on {len(prompts)} held-out prompts")
-    report: dict[str, Any] = benchmark(target, tuned, prompts, hf_assisted=cfg.evaluate.hf_assisted, **settings)
-    if cfg.evaluate.baseline:
-        print("evaluate: undistilled drafter on the same prompts")
+    base = None
+    if cfg.evaluate.baseline:  # loaded first: a bad drafter config fails before the long runs
         base, base_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
-        report["baseline_drafter"] = benchmark(target, base.eval(), prompts, hf_assisted=False, **settings)
+        base.eval()
+    vocab = min(m.get_output_embeddings().weight.shape[0] for m in (target, tuned, base) if m is not None)
+    print(f"evaluate: target alone on {len(prompts)} held-out prompts")
+    alone = run_target_alone(target, prompts, vocab_size=vocab,
+                             **{k: v for k, v in settings.items() if k != "draft_length"})
+    print("evaluate: distilled drafter")
+    report: dict[str, Any] = benchmark(target, tuned, prompts, hf_assisted=cfg.evaluate.hf_assisted,
+                                       target_outputs=alone, **settings)
+    if base is not None:
+        print("evaluate: undistilled drafter on the same prompts")
+        report["baseline_drafter"] = benchmark(target, base, prompts, hf_assisted=False, target_outputs=alone,
+                                               **settings)
         del base
 
     report.update({

@@ -417,19 +417,29 @@ def _truncate(prompt: list[int], completion: list[int], max_seq_len: int) -> tup
 def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tensor, float]:
     """One forward of both models on ``batch``.
 
+    Both LM heads run only at the ``N`` masked (completion) positions (``logits_to_keep`` as a
+    boolean mask), so logits are ``(N, V)`` rather than ``(B, T, V)``: with a 152k vocabulary the
+    head, the softmaxes and the loss dominate a step otherwise.
+
     Returns the drafter's loss (0-dim, with graph if grad is on; mean over ``loss_mask``) and
     the *sum* of expected acceptance over the masked positions (float).
     """
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    keep = batch["loss_mask"]
     with torch.no_grad():
         target_device = _device(target)
-        target_logits = target(**{k: v.to(target_device) for k, v in inputs.items()}, use_cache=False).logits
-    student_logits = drafter(**inputs, use_cache=False).logits
-    target_logits = target_logits.to(student_logits.device)
-    loss = distillation_loss(student_logits, target_logits, batch["loss_mask"], kind=spec.kind,
-                             jsd_beta=spec.jsd_beta, temperature=spec.temperature, labels=batch["labels"])
+        target_logits = target(**{k: v.to(target_device) for k, v in inputs.items()}, use_cache=False,
+                               logits_to_keep=keep.to(target_device)).logits
+    student_logits = drafter(**inputs, use_cache=False, logits_to_keep=keep).logits
+    # (N, V) -> (1, N, V): the loss functions take (B, T, V) with a (B, T) mask.
+    student_logits = student_logits.unsqueeze(0)
+    target_logits = target_logits.to(student_logits.device).unsqueeze(0)
+    mask = torch.ones(student_logits.shape[:2], dtype=torch.bool, device=student_logits.device)
+    labels = batch["labels"][keep].unsqueeze(0)
+    loss = distillation_loss(student_logits, target_logits, mask, kind=spec.kind,
+                             jsd_beta=spec.jsd_beta, temperature=spec.temperature, labels=labels)
     with torch.no_grad():
-        accept = expected_acceptance(student_logits.detach(), target_logits, batch["loss_mask"],
+        accept = expected_acceptance(student_logits.detach(), target_logits, mask,
                                      temperature=spec.temperature).sum().item()
     return loss, accept
 

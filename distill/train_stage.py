@@ -77,6 +77,9 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             f"set target.name={gen_manifest['target']['name']} or generate data with this target")
     lora = LoraSettings(r=d.lora_r, alpha=d.lora_alpha, dropout=d.lora_dropout) if d.method == "lora" else None
     drafter, drafter_tok, base_res = initial_drafter(cfg, dtype="float32", lora=lora)
+    if d.method == "full" and d.freeze_embeddings:
+        for module in (drafter.get_input_embeddings(), drafter.get_output_embeddings()):
+            module.requires_grad_(False)
     check_tokenizers(target_tok, drafter_tok, cfg.target.name, cfg.drafter.name)
     load_s = time.perf_counter() - t0
 
