@@ -112,6 +112,7 @@ class DistillConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_seq_len: int = 512
+    mixed_precision: str = "bf16"  # no | bf16 | fp16: autocast for the drafter's forward (weights stay fp32)
     val_fraction: float = 0.1  # share of generated examples held out for the validation metric
     checkpoint_every: int = 0  # 0 = only at the end
     seed: int = 0
@@ -127,6 +128,7 @@ class DistillConfig:
         _check(self.max_steps >= 1, "distill.max_steps", "must be >= 1")
         _check(self.batch_size >= 1, "distill.batch_size", "must be >= 1")
         _check(self.grad_accum >= 1, "distill.grad_accum", "must be >= 1")
+        _check(self.mixed_precision in ("no", "bf16", "fp16"), "distill.mixed_precision", "must be no, bf16 or fp16")
         _check(self.max_seq_len >= 8, "distill.max_seq_len", "must be >= 8")
         _check(0.0 <= self.val_fraction < 1.0, "distill.val_fraction", "must be in [0, 1)")
         _check(self.checkpoint_every >= 0, "distill.checkpoint_every", "must be >= 0")

@@ -82,6 +82,7 @@ def train_drafter(
     pad_token_id: int | None = None,
     logger: Any = None,
     progress: bool = True,
+    mixed_precision: str = "no",
 ) -> dict[str, Any]:
     """Distil ``target`` into ``drafter`` on the target's answers; the drafter is trained in place.
 
@@ -125,6 +126,9 @@ def train_drafter(
             ``config.pad_token_id``, else its ``eos_token_id``, else 0.
         logger: optional object with ``log(metrics: dict, step: int)``.
         progress: show a tqdm bar (loss, completion tokens/s, expected acceptance).
+        mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"``: accelerate runs the drafter's forward
+            under autocast (weights and optimizer stay float32). bf16 is about 2x faster on CPUs
+            with AMX/AVX512-BF16 and on GPUs.
 
     Returns:
         ``steps``, ``final_loss``, ``mean_loss_last_10`` (plain mean over the last 10 steps),
@@ -146,7 +150,8 @@ def train_drafter(
     pad_token_id = _default_pad_id(target) if pad_token_id is None else pad_token_id
     run = _setup(drafter, target, examples, spec=spec, lr=lr, max_steps=max_steps, batch_size=batch_size,
                  grad_accum=grad_accum, max_seq_len=max_seq_len, warmup_steps=warmup_steps,
-                 weight_decay=weight_decay, seed=seed, resume_from=resume_from, pad_token_id=pad_token_id)
+                 weight_decay=weight_decay, seed=seed, resume_from=resume_from, pad_token_id=pad_token_id,
+                 mixed_precision=mixed_precision)
     accelerator, drafter, optimizer, scheduler = run.accelerator, run.drafter, run.optimizer, run.scheduler
     result: dict[str, Any] = {}
     if val_examples:
@@ -206,6 +211,8 @@ def train_drafter(
         result.update(_prefixed(validate(drafter, target, val_examples, loss=loss, jsd_beta=jsd_beta,
                                          temperature=temperature, batch_size=batch_size,
                                          max_seq_len=max_seq_len, pad_token_id=pad_token_id), "after"))
+    # Drop accelerate's autocast wrapper from the drafter's forward: callers save and decode with it.
+    accelerator.unwrap_model(drafter, keep_fp32_wrapper=False)
     result.update({
         "steps": max(max_steps, run.start_step),
         "final_loss": history[-1] if history else float("nan"),
@@ -323,7 +330,7 @@ class _Run:
 
 
 def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_accum, max_seq_len,
-           warmup_steps, weight_decay, seed, resume_from, pad_token_id) -> _Run:
+           warmup_steps, weight_decay, seed, resume_from, pad_token_id, mixed_precision="no") -> _Run:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_linear_schedule_with_warmup
@@ -337,7 +344,7 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
         _load_weights(drafter, Path(resume_from))
     else:
         set_seed(seed)
-    accelerator = Accelerator(gradient_accumulation_steps=grad_accum)
+    accelerator = Accelerator(gradient_accumulation_steps=grad_accum, mixed_precision=mixed_precision)
     _place_target(target, accelerator.device)
     target.eval()
     drafter.train()
