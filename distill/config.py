@@ -75,7 +75,7 @@ class DataConfig:
 class GenerateConfig:
     """Stage 1: the target answers training prompts."""
 
-    num_prompts: int = 32
+    num_prompts: int = 48
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -106,7 +106,7 @@ class DistillConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lr: float = 2e-4
-    max_steps: int = 40
+    max_steps: int = 30
     batch_size: int = 4
     grad_accum: int = 1
     warmup_steps: int = 0
@@ -142,7 +142,7 @@ class DecodeConfig:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
-    max_new_tokens: int = 64
+    max_new_tokens: int = 128
 
     def __post_init__(self) -> None:
         _check(self.draft_length >= 1, "decode.draft_length", "must be >= 1")
@@ -156,7 +156,7 @@ class DecodeConfig:
 class EvaluateConfig:
     """Stage 3: measure the drafter before and after distillation on held-out prompts."""
 
-    num_prompts: int = 8  # held-out evaluation prompts (never used for training)
+    num_prompts: int = 6  # held-out evaluation prompts (never used for training)
     hf_assisted: bool = True  # also time transformers' assisted generation with the tuned drafter
     baseline: bool = True  # also measure the undistilled drafter
     seed: int = 0

@@ -24,7 +24,7 @@ from distill.errors import DraftsmithError
 from distill.generate import load_generated
 from distill.models import eos_token_ids, load_model
 from distill.prompts import encode_prompt
-from distill.report import write_report_markdown
+from distill.report import write_report_markdown, write_report_plots
 from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
 from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
 
@@ -102,6 +102,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         "prompt prefill excluded",
         *report.get("notes", []),
     ]
+    plots = write_report_plots(report, run_dir, training_metrics=distill_dir / "checkpoints" / "metrics.jsonl")
+    report["plots"] = [str(p) for p in plots]
     report_path = run_dir / REPORT_JSON
     write_json_atomic(report_path, report)
     write_report_markdown(report, run_dir / REPORT_MD)

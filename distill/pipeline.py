@@ -7,7 +7,9 @@ the wall time and peak memory of every stage.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import json
 from pathlib import Path
 
@@ -20,6 +22,15 @@ from distill.rundir import read_manifest, write_json_atomic
 from distill.train_stage import run_distill
 
 
+def _release_memory() -> None:
+    """Give the previous stage's model memory back to the OS before the next stage loads its models."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run the four stages under ``run_dir``; returns the path of the final ``report.json``."""
     run_dir = Path(run_dir)
@@ -30,8 +41,10 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
 
     print(f"[1/4] generate -> {folders['generate']}")
     run_generate(staged, folders["generate"], config_yaml)
+    _release_memory()
     print(f"[2/4] distill -> {folders['distill']}")
     run_distill(staged, folders["distill"], config_yaml)
+    _release_memory()
     print(f"[3/4] evaluate -> {folders['evaluate']}")
     report_path = run_evaluate(staged, folders["evaluate"], config_yaml)
     print(f"[4/4] export -> {folders['export']}")

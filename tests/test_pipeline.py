@@ -106,3 +106,20 @@ def test_incomplete_input_is_refused(tmp_path):
                       cwd=tmp_path)
     assert proc.returncode == 2
     assert "COMPLETE" in proc.stderr and "did not finish" in proc.stderr
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_real_pipeline_smoke(qwen05, tmp_path):
+    """experiment=quick cut down to a couple of minutes: real 0.5B target, 4-layer drafter, every stage."""
+    proc = draftsmith("pipeline", "experiment=quick", f"outputs={tmp_path}/outputs", "generate.num_prompts=4",
+                      "generate.max_new_tokens=16", "distill.max_steps=3", "distill.batch_size=2",
+                      "evaluate.num_prompts=2", "decode.max_new_tokens=16", "evaluate.hf_assisted=false",
+                      "target.dtype=float32", "drafter.dtype=float32", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())
+    assert report["target"]["name"] == "qwen2.5-coder-0.5b-instruct"
+    assert report["drafter"]["init"] == "layers" and report["drafter"]["num_layers"] == 4
+    assert report["outputs_match_target"] is True  # fp32: greedy speculative == greedy target
+    assert report["baseline_drafter"]["outputs_match_target"] is True
+    assert report["new_tokens"] > 0

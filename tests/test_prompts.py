@@ -233,3 +233,15 @@ def test_encode_prompt_uses_chat_template(humaneval):
     assert encode_prompt(tok, prompt) == list(b"hi")
     ids = encode_prompt(tiny_tokenizer(), humaneval[0])
     assert ids[-len(b"assistant\n"):] == list(b"assistant\n") and ids.count(257) == 2
+
+
+def test_eval_split_is_stratified_by_source():
+    prompts = [Prompt(id=f"a/{i}", source="a", category="x", messages=[{"role": "user", "content": f"a{i}"}])
+               for i in range(30)]
+    prompts += [Prompt(id=f"b/{i}", source="b", category="y", messages=[{"role": "user", "content": f"b{i}"}])
+                for i in range(5)]
+    train, held_out = split_prompts(prompts, num_train=10, num_eval=6, seed=0)
+    assert sorted(p.source for p in held_out) == ["a", "a", "a", "b", "b", "b"]
+    assert not {p.id for p in train} & {p.id for p in held_out}
+    # growing the training set leaves the eval set alone
+    assert split_prompts(prompts, num_train=20, num_eval=6, seed=0)[1] == held_out

