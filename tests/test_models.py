@@ -1,6 +1,6 @@
-import importlib.util
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import time
 
