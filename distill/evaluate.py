@@ -26,6 +26,7 @@ from distill.models import eos_token_ids, load_model
 from distill.prompts import encode_prompt
 from distill.report import write_report_markdown, write_report_plots
 from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
+from distill.tracking import make_logger
 from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
 
 REPORT_JSON = "report.json"
@@ -37,6 +38,22 @@ def load_tuned_drafter(distill_dir: Path, dtype: str):
     path = require_complete(distill_dir, "distill") / DRAFTER_DIR
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     return model, json.loads((path / DRAFTER_INFO).read_text())
+
+
+def _log_report(cfg: Config, run_dir: Path, report: dict[str, Any], plots: list[Path]) -> None:
+    """Send the headline figures (and plots, for wandb) to the configured logger."""
+    logger = make_logger(cfg.logger, f"evaluate-{run_dir.name}", run_dir, config={"stage": "evaluate"})
+    try:
+        base = report.get("baseline_drafter") or {}
+        figures = {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        figures.update({f"baseline_drafter/{k}": v for k, v in base.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        logger.summary(figures)
+        for plot in plots:
+            if hasattr(logger, "log_image"):
+                logger.log_image(plot.stem, plot)
+    finally:
+        logger.finish()
 
 
 def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
@@ -106,6 +123,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     report["plots"] = [str(p) for p in plots]
     report_path = run_dir / REPORT_JSON
     write_json_atomic(report_path, report)
+    _log_report(cfg, run_dir, report, plots)
     write_report_markdown(report, run_dir / REPORT_MD)
     run.complete(report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
                  acceptance_rate=report.get("acceptance_rate"))
