@@ -8,7 +8,8 @@ from typing import Any
 from distill.rundir import write_text_atomic
 
 _ROWS = [  # (label, key, format)
-    ("acceptance rate alpha", "acceptance_rate", "{:.3f}"),
+    ("acceptance rate (accepted / drafted tokens)", "acceptance_rate", "{:.3f}"),
+    ("alpha (per-token acceptance, Leviathan et al. 2023)", "alpha", "{:.3f}"),
     ("mean accepted tokens per target forward tau (incl. bonus)", "mean_accepted_tokens", "{:.2f}"),
     ("speculative tokens/s", "speculative_tokens_per_s", "{:.2f}"),
     ("target alone tokens/s", "target_tokens_per_s", "{:.2f}"),
