@@ -12,6 +12,19 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread. With 2 threads on a shared 2-core CPU a tiny forward takes
+    ~250 ms instead of ~3 ms (thread start-up costs more than the matmuls). Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def qwen05():
     """``(model, tokenizer)`` of the shipped Qwen2.5-Coder-0.5B-Instruct in float32, eval mode.

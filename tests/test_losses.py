@@ -11,13 +11,7 @@ from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, p
 B, T, V = 2, 5, 11
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: with 2 intra-op threads on a shared CPU a forward takes ~250 ms instead of ~3 ms."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _logits(seed: int, scale: float = 2.0) -> torch.Tensor:

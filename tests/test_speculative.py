@@ -42,13 +42,7 @@ def padded(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
     return bigger
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (thread start-up costs more than the matmuls)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

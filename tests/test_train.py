@@ -13,13 +13,7 @@ from distill.train import collate, train_drafter, validate
 VOCAB = 300
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: with 2 intra-op threads on a shared CPU a forward takes ~250 ms instead of ~3 ms."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_qwen2(num_layers: int, seed: int, init_range: float) -> Qwen2ForCausalLM:
