@@ -3,7 +3,7 @@
 All three run batch size 1 on the same token ids. Speeds are decode-only
 (tokens / seconds after the prompt prefill), pooled over prompts
 (total new tokens / total decode seconds), and belong to the torch stack
-these models run in (see MODELS.md: llama.cpp figures differ).
+these models run in (a llama.cpp build of the same models behaves differently).
 """
 
 from __future__ import annotations

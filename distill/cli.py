@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from distill.config import STAGES, register_configs, to_config
 from distill.errors import ConfigError, DraftsmithError
 
-# conf/ sits at the project root (the user's layout); an installed wheel carries a copy in the package.
+# conf/ sits at the project root (the user's layout), so draftsmith runs from a source checkout
+# installed with `pip install -e .`; a non-editable wheel would need a copy in distill/conf.
 _ROOT_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONF_DIR = _ROOT_CONF if _ROOT_CONF.is_dir() else Path(__file__).resolve().parent / "conf"
 
@@ -87,16 +88,34 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         return run_stage(cfg, run_dir)
-    except ConfigError as err:
-        # Nothing ran: leave no empty run folder behind.
+    except DraftsmithError as err:
+        # A refused run wrote nothing of its own: leave no empty run folder behind.
         if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", f"{cfg.stage}.log"}:
             shutil.rmtree(run_dir, ignore_errors=True)
-        print(f"draftsmith {cfg.stage}: config error: {err}", file=sys.stderr)
+        kind = "config error" if isinstance(err, ConfigError) else "error"
+        print(f"draftsmith {cfg.stage}: {kind}: {err}", file=sys.stderr)
         sys.exit(2)
-    except DraftsmithError as err:
-        logging.getLogger("draftsmith").debug("error", exc_info=True)
-        print(f"draftsmith {cfg.stage}: error: {err}", file=sys.stderr)
-        sys.exit(2)
+
+
+# Hydra flags that take a value (the next word), e.g. `--cfg job`.
+_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
+
+
+def _split_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """Separate Hydra flags (with their values) from ``key=value`` overrides, keeping each in order."""
+    flags, overrides = [], []
+    words = iter(args)
+    for word in words:
+        if word.startswith("-"):
+            flags.append(word)
+            if word in _VALUE_FLAGS and "=" not in word:
+                value = next(words, None)
+                if value is not None:
+                    flags.append(value)
+        else:
+            overrides.append(word)
+    return flags, overrides
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
 
     datasets.disable_progress_bars()
     register_configs()
-    sys.argv = [f"draftsmith {stage}", f"stage={stage}", *rest]
+    flags, overrides = _split_flags(rest)
+    # Hydra's parser wants flags before the overrides; users put them anywhere.
+    sys.argv = [f"draftsmith {stage}", *flags, f"stage={stage}", *overrides]
     _hydra_main()
 
 

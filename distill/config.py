@@ -54,6 +54,9 @@ class DrafterConfig:
         if self.init == "layers":
             _check(self.num_layers is not None and self.num_layers >= 1, "drafter.num_layers",
                    "must be >= 1 when drafter.init=layers")
+        else:
+            _check(self.num_layers is None, "drafter.num_layers",
+                   "applies to drafter.init=layers only: add drafter.num_layers=null, or drafter.init=layers")
         _check(self.dtype in DTYPES, "drafter.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
 
 
@@ -123,6 +126,7 @@ class DistillConfig:
         _check(self.temperature > 0, "distill.temperature", "must be > 0")
         _check(self.method in ("lora", "full"), "distill.method", "must be 'lora' or 'full'")
         _check(self.lora_r >= 1, "distill.lora_r", "LoRA rank must be >= 1")
+        _check(self.lora_alpha > 0, "distill.lora_alpha", "LoRA alpha must be > 0")
         _check(0.0 <= self.lora_dropout < 1.0, "distill.lora_dropout", "must be in [0, 1)")
         _check(self.lr > 0, "distill.lr", "must be > 0")
         _check(self.max_steps >= 1, "distill.max_steps", "must be >= 1")
@@ -227,6 +231,17 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="draftsmith_schema", node=Config)
 
 
+def _unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of ``node`` that the schema lacks (a ``+key=value`` override slips past Hydra's struct check)."""
+    unknown = []
+    for key in node.keys():
+        if key not in schema:
+            unknown.append(f"{prefix}{key}")
+        elif isinstance(node[key], DictConfig) and isinstance(schema[key], DictConfig):
+            unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
+    return unknown
+
+
 def to_config(cfg: DictConfig | Config) -> Config:
     """Turn a composed Hydra config into checked dataclasses.
 
@@ -235,6 +250,9 @@ def to_config(cfg: DictConfig | Config) -> Config:
     """
     if isinstance(cfg, Config):
         return cfg
+    unknown = _unknown_keys(cfg, OmegaConf.structured(Config))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(unknown)}: check the spelling (`--cfg job` lists every key)")
     obj: Any = OmegaConf.to_object(cfg)
     if not isinstance(obj, Config):
         raise ConfigError("the composed config is not a draftsmith Config: keep 'draftsmith_schema' first in conf/config.yaml")

@@ -26,7 +26,7 @@ from distill.models import eos_token_ids, load_model
 from distill.prompts import encode_prompt
 from distill.report import write_report_markdown, write_report_plots
 from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
-from distill.tracking import make_logger
+from distill.tracking import make_logger, run_name
 from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
 
 REPORT_JSON = "report.json"
@@ -42,7 +42,7 @@ def load_tuned_drafter(distill_dir: Path, dtype: str):
 
 def _log_report(cfg: Config, run_dir: Path, report: dict[str, Any], plots: list[Path]) -> None:
     """Send the headline figures (and plots, for wandb) to the configured logger."""
-    logger = make_logger(cfg.logger, f"evaluate-{run_dir.name}", run_dir, config={"stage": "evaluate"})
+    logger = make_logger(cfg.logger, run_name("evaluate", run_dir), run_dir, config=asdict(cfg))
     try:
         base = report.get("baseline_drafter") or {}
         figures = {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -66,6 +66,10 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     distill_dir = resolve_input(cfg.inputs.distill, cfg.outputs, "distill")
     gen_dir = Path(cfg.inputs.generate or read_manifest(distill_dir)["inputs"]["generate"])
     _, held_out, _ = load_generated(gen_dir)
+    if len(held_out) < cfg.evaluate.num_prompts:
+        print(f"evaluate: warning: {gen_dir} holds {len(held_out)} held-out prompts, fewer than "
+              f"evaluate.num_prompts={cfg.evaluate.num_prompts}; the eval set is fixed when generate runs "
+              f"(re-run generate with evaluate.num_prompts={cfg.evaluate.num_prompts})")
     held_out = held_out[: cfg.evaluate.num_prompts]
     run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)})
 

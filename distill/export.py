@@ -30,6 +30,10 @@ def _report_for(cfg: Config, distill_dir: Path) -> tuple[dict[str, Any] | None, 
     """The evaluation report of this drafter: ``inputs.evaluate``, else the newest evaluate run that read it."""
     if cfg.inputs.evaluate:
         eval_dir = require_complete(cfg.inputs.evaluate, "evaluate")
+        measured = Path(read_manifest(eval_dir)["inputs"].get("distill", ""))
+        if measured.resolve() != distill_dir.resolve():
+            raise DraftsmithError(f"{eval_dir} measured the drafter of {measured}, not of {distill_dir}: pass the "
+                                  "evaluate run of this drafter as inputs.evaluate, or leave it empty")
     else:
         try:
             eval_dir = find_latest(cfg.outputs, "evaluate")
@@ -40,13 +44,18 @@ def _report_for(cfg: Config, distill_dir: Path) -> tuple[dict[str, Any] | None, 
     return json.loads((eval_dir / REPORT_JSON).read_text()), eval_dir
 
 
+def _decoding(decode: dict[str, Any]) -> str:
+    temperature = decode.get("temperature", 0.0)
+    return "greedy" if not temperature else f"sampling at temperature {temperature}, top-p {decode.get('top_p', 1.0)}"
+
+
 def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
     """The exported folder's README.md: what the drafter is for and what it measured."""
     lines = [
         "---", "library_name: transformers", "tags: [speculative-decoding, draft-model, draftsmith]", "---", "",
         f"# Draft model for `{info['target_name']}`", "",
         f"A drafter for speculative decoding, initialised from `{info['base_name']}` ({info['init']}"
-        + (f", {info['num_layers']} layers" if info.get("num_layers") else "") + f") and distilled with draftsmith "
+        + (f", first {info['num_layers']} decoder layer(s)" if info.get("num_layers") else "") + f") and distilled with draftsmith "
         f"({info['method']}, loss `{info['loss']}`) on the target's own answers.", "",
         f"Tuned for target `{info['target_name']}` (fingerprint `{info['target_fingerprint']}`). "
         "Use it only with that target: acceptance depends on matching its distributions.", "",
@@ -56,7 +65,8 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
     if report:
         base = report.get("baseline_drafter") or {}
         lines += [
-            f"## Measured ({report.get('engine')}, K = {report.get('draft_length')}, greedy, "
+            f"## Measured ({report.get('engine')}, K = {report.get('draft_length')}, "
+            f"{_decoding(report.get('decode') or {})}, "
             f"{report.get('num_prompts')} held-out prompts)", "",
             "| figure | undistilled | this drafter |", "|---|---|---|",
             f"| acceptance rate | {base.get('acceptance_rate', float('nan')):.3f} | {report['acceptance_rate']:.3f} |",
@@ -69,6 +79,21 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
+def check_export_destination(dest: Path, overwrite: bool) -> None:
+    """Refuse a destination that exists, unless ``overwrite`` and it is an earlier draftsmith export.
+
+    Raises:
+        DraftsmithError: ``dest`` exists and may not (or must never) be replaced.
+    """
+    if not dest.exists():
+        return
+    if not dest.is_dir() or not (dest / DRAFTER_INFO).is_file():
+        raise DraftsmithError(f"{dest} exists and is not a draftsmith export (no {DRAFTER_INFO}): "
+                              "choose another export.path; draftsmith never replaces other files")
+    if not overwrite:
+        raise DraftsmithError(f"{dest} already exists: choose another export.path or set export.overwrite=true")
+
+
 def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run stage 4; returns the exported folder.
 
@@ -78,8 +103,7 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """
     distill_dir = resolve_input(cfg.inputs.distill, cfg.outputs, "distill")
     dest = Path(cfg.export.path) if cfg.export.path else run_dir / EXPORT_DIR
-    if dest.exists() and not cfg.export.overwrite:
-        raise DraftsmithError(f"{dest} already exists: choose another export.path or set export.overwrite=true")
+    check_export_destination(dest, cfg.export.overwrite)
     report, eval_dir = _report_for(cfg, distill_dir)
     run = StageRun.start("export", run_dir, config_yaml,
                          inputs={"distill": str(distill_dir), "evaluate": str(eval_dir) if eval_dir else ""})

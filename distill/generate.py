@@ -43,9 +43,12 @@ def select_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
                          seed=cfg.data.seed)
 
 
-def _shard_key(fingerprint: str, prompt_ids: list[str], cfg: Config) -> str:
+def _shard_key(fingerprint: str, prompts: list[Prompt], cfg: Config) -> str:
+    """Everything that decides a shard's content: the target, the prompts' ids *and* texts, the settings."""
     g = cfg.generate
-    payload = json.dumps({"target": fingerprint, "dtype": cfg.target.dtype, "prompts": prompt_ids,
+    texts = hashlib.sha256(json.dumps([p.messages for p in prompts], sort_keys=True).encode()).hexdigest()
+    payload = json.dumps({"target": fingerprint, "dtype": cfg.target.dtype, "prompts": [p.id for p in prompts],
+                          "texts": texts,
                           "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p,
                           "batch_size": g.batch_size, "shard_size": g.shard_size, "seed": cfg.data.seed})
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -102,7 +105,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     write_text_atomic(run_dir / EVAL_PROMPTS, "".join(json.dumps(asdict(p)) + "\n" for p in held_out))
 
     g = cfg.generate
-    key = _shard_key(resolved.fingerprint, [p.id for p in train], cfg)
+    key = _shard_key(resolved.fingerprint, train, cfg)
     shard_root = Path(cfg.outputs) / ".shards" / f"generate-{key}"
     shard_root.mkdir(parents=True, exist_ok=True)
     starts = list(range(0, len(train), g.shard_size))

@@ -13,13 +13,18 @@ import gc
 import json
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer
+
 from distill.config import Config
+from distill.errors import ConfigError
 from distill.evaluate import REPORT_JSON, REPORT_MD, run_evaluate
-from distill.export import run_export
+from distill.export import EXPORT_DIR, check_export_destination, run_export
 from distill.generate import run_generate
+from distill.models import resolve_model
 from distill.report import write_report_markdown
 from distill.rundir import read_manifest, write_json_atomic
-from distill.train_stage import run_distill
+from distill.train_stage import check_tokenizers, run_distill
 
 
 def _release_memory() -> None:
@@ -31,6 +36,23 @@ def _release_memory() -> None:
         pass
 
 
+def preflight(cfg: Config, export_run: Path) -> None:
+    """Checks that would otherwise fail a later stage after the earlier ones did their work.
+
+    Raises:
+        ConfigError: fp16 training without CUDA.
+        DraftsmithError: the export destination is taken.
+        TokenizerMismatchError: target and drafter cannot share tokens (tokenizers only, no weights loaded).
+    """
+    if cfg.distill.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=bf16 or no")
+    check_export_destination(Path(cfg.export.path) if cfg.export.path else export_run / EXPORT_DIR,
+                             cfg.export.overwrite)
+    target = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)
+    drafter = AutoTokenizer.from_pretrained(resolve_model(cfg.drafter.name).path)
+    check_tokenizers(target, drafter, cfg.target.name, cfg.drafter.name)
+
+
 def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run the four stages under ``run_dir``; returns the path of the final ``report.json``."""
     run_dir = Path(run_dir)
@@ -38,6 +60,7 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     inputs = dataclasses.replace(cfg.inputs, generate=str(folders["generate"]), distill=str(folders["distill"]),
                                  evaluate=str(folders["evaluate"]))
     staged = dataclasses.replace(cfg, inputs=inputs)
+    preflight(staged, folders["export"])
 
     print(f"[1/4] generate -> {folders['generate']}")
     run_generate(staged, folders["generate"], config_yaml)

@@ -65,7 +65,7 @@ def render_report_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {i} | {_fmt(b, '{:.3f}')} | {_fmt(t, '{:.3f}')} |")
     stages = report.get("stages")
     if stages:
-        lines += ["", "## Pipeline stages", "", "| stage | wall time (s) | peak RSS (GiB) |", "|---|---|---|"]
+        lines += ["", "## Pipeline stages", "", "| stage | wall time (s) | process peak RSS so far (GiB) |", "|---|---|---|"]
         for name, fig in stages.items():
             lines.append(f"| {name} | {_fmt(fig.get('wall_s'), '{:.1f}')} | "
                          f"{_fmt((fig.get('peak_rss_bytes') or 0) / 2**30, '{:.2f}')} |")

@@ -86,6 +86,13 @@ class WandbLogger:
         self.run.finish()
 
 
+def run_name(stage: str, run_dir: Path) -> str:
+    """A readable run name: ``distill/2026-11-29_10-31-48`` (a pipeline's sub-folder is named after the stage)."""
+    run_dir = Path(run_dir)
+    stamp = run_dir.parent.name if run_dir.name == stage else run_dir.name
+    return f"{stage}/{stamp}"
+
+
 def make_logger(cfg: LoggerConfig, name: str, run_dir: Path, config: dict[str, Any] | None = None) -> Logger:
     """Build the logger chosen by ``logger.kind`` for one stage run."""
     if cfg.kind == "none":

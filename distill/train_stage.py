@@ -9,6 +9,7 @@ target it was tuned for.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from distill.errors import ConfigError, DraftsmithError, TokenizerMismatchError
 from distill.generate import load_generated
 from distill.models import ResolvedModel, load_model, tokenizers_compatible
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
-from distill.tracking import make_logger
+from distill.tracking import make_logger, run_name
 from distill.train import train_drafter
 
 DRAFTER_DIR = "drafter"
@@ -36,8 +37,11 @@ def initial_drafter(cfg: Config, dtype: str = "float32", lora: LoraSettings | No
         ``(model, tokenizer, resolved)`` of the drafter's base model.
     """
     base, tokenizer, resolved = load_model(cfg.drafter.name, dtype=dtype)
-    model = build_drafter(base, init=cfg.drafter.init, num_layers=cfg.drafter.num_layers,
-                          layer_selection=cfg.drafter.layer_selection, lora=lora)
+    try:
+        model = build_drafter(base, init=cfg.drafter.init, num_layers=cfg.drafter.num_layers,
+                              layer_selection=cfg.drafter.layer_selection, lora=lora)
+    except ValueError as err:  # e.g. more layers asked for than the base model has
+        raise ConfigError(f"drafter (drafter.*, distill.lora_*): {err}") from err
     return model, tokenizer, resolved
 
 
@@ -92,7 +96,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     num_val = int(len(examples) * d.val_fraction) if len(examples) > 1 else 0
     val_examples, train_examples = examples[:num_val], examples[num_val:]
 
-    logger = make_logger(cfg.logger, f"distill-{run_dir.name}", run_dir, config={"stage": "distill"})
+    logger = make_logger(cfg.logger, run_name("distill", run_dir), run_dir, config=dataclasses.asdict(cfg))
     try:
         metrics = train_drafter(
             drafter, target, train_examples, val_examples=val_examples or None, loss=d.loss,

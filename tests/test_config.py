@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -82,19 +84,57 @@ def test_out_of_range_values_name_the_key(override, key):
         _compose(override)
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``draftsmith ARGS`` from this checkout (PYTHONPATH), whatever copy is pip-installed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "distill.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
 def test_cli_config_error_exits_2_and_leaves_no_run_folder(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "distill.cli", "generate", "decode.draft_length=0",
-                           f"outputs={tmp_path}"], capture_output=True, text=True, cwd=tmp_path)
+    proc = cli("generate", "decode.draft_length=0", f"outputs={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2
     assert "decode.draft_length" in proc.stderr
-    assert not list((tmp_path / "generate").glob("*")) if (tmp_path / "generate").exists() else True
+    assert not list((tmp_path / "generate").glob("*"))
 
 
 def test_cli_help_and_cfg(tmp_path):
-    usage = subprocess.run([sys.executable, "-m", "distill.cli", "--help"], capture_output=True, text=True)
+    usage = cli("--help")
     assert usage.returncode == 0 and "pipeline" in usage.stdout
-    cfg = subprocess.run([sys.executable, "-m", "distill.cli", "pipeline", "experiment=tiny", "--cfg", "job"],
-                         capture_output=True, text=True, cwd=tmp_path)
+    cfg = cli("pipeline", "experiment=tiny", "--cfg", "job", cwd=tmp_path)
     assert cfg.returncode == 0 and "tiny-target" in cfg.stdout
-    bad = subprocess.run([sys.executable, "-m", "distill.cli", "train"], capture_output=True, text=True)
+    bad = cli("train")
     assert bad.returncode == 2 and "unknown stage" in bad.stderr
+
+
+def test_cli_flags_may_come_before_overrides(tmp_path):
+    proc = cli("pipeline", "--cfg", "job", "experiment=tiny", "decode.draft_length=5", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "tiny-target" in proc.stdout and "draft_length: 5" in proc.stdout
+
+
+def test_misspelled_experiment_is_refused(tmp_path):
+    proc = cli("pipeline", "experiment=tinyy", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "experiment/tinyy" in proc.stderr + proc.stdout
+
+
+def test_appended_unknown_key_is_refused():
+    with pytest.raises(ConfigError, match=r"distill\.lrr"):
+        _compose("+distill.lrr=1")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("distill.lora_alpha=0", "distill.lora_alpha"),
+])
+def test_more_ranges(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _compose(override)
+
+
+def test_num_layers_without_layers_init_says_how_to_drop_it():
+    with pytest.raises(ConfigError, match=r"drafter\.num_layers=null"):
+        _compose("experiment=tiny", "drafter.init=sibling")

@@ -14,12 +14,14 @@ from transformers import AutoModelForCausalLM
 
 from distill.rundir import COMPLETE
 
+REPO = Path(__file__).resolve().parent.parent
 REPORT_KEYS = ("acceptance_rate", "mean_accepted_tokens", "draft_length", "target_tokens_per_s",
                "speculative_tokens_per_s", "speedup", "num_prompts", "new_tokens")
 
 
 def draftsmith(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    # PYTHONPATH: run this checkout's code even where another copy is pip-installed.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "distill.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=600)
 
@@ -97,6 +99,45 @@ def test_generate_resumes_from_finished_shards(tiny_run):
     proc = draftsmith("generate", "experiment=tiny", f"outputs={out}", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming, 2/2 shards already finished" in proc.stdout
+
+
+def test_export_never_replaces_foreign_folders(tiny_run, tmp_path):
+    root, _ = tiny_run
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("keep me")
+    proc = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={precious}",
+                      "export.overwrite=true", cwd=root)
+    assert proc.returncode == 2 and "not a draftsmith export" in proc.stderr
+    assert (precious / "thesis.txt").read_text() == "keep me"
+    # an earlier export is replaced only when asked
+    dest = tmp_path / "drafter"
+    assert draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
+                      cwd=root).returncode == 0
+    again = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}", cwd=root)
+    assert again.returncode == 2 and "export.overwrite=true" in again.stderr
+    assert draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
+                      "export.overwrite=true", cwd=root).returncode == 0
+
+
+def test_pipeline_preflight_refuses_before_generating(tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    proc = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", f"export.path={taken}",
+                      cwd=tmp_path)
+    assert proc.returncode == 2 and "not a draftsmith export" in proc.stderr
+    assert "[1/4]" not in proc.stdout
+
+
+def test_edited_prompt_file_is_not_served_from_stale_shards(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    args = ["generate", "experiment=tiny", "data=file", f"data.path={prompts}", f"outputs={tmp_path}/outputs",
+            "generate.num_prompts=4", "evaluate.num_prompts=1"]
+    prompts.write_text("".join(f"write a haiku about apples, number {i}\n" for i in range(6)))
+    assert draftsmith(*args, cwd=tmp_path).returncode == 0
+    prompts.write_text("".join(f"write quicksort in Rust, variant {i}\n" for i in range(6)))
+    proc = draftsmith(*args, cwd=tmp_path)
+    assert proc.returncode == 0 and "resuming" not in proc.stdout
 
 
 def test_incomplete_input_is_refused(tmp_path):
