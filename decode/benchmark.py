@@ -4,6 +4,11 @@ All three run batch size 1 on the same token ids. Speeds are decode-only
 (tokens / seconds after the prompt prefill), pooled over prompts
 (total new tokens / total decode seconds), and belong to the torch stack
 these models run in (a llama.cpp build of the same models behaves differently).
+
+The target-alone baseline is transformers' ``generate`` (``engine="hf"``) or
+our own KV-cached loop (``engine="loop"``). HF does not report its prefill, so
+its decode seconds are its wall time minus our measured prefill of the same
+prompt (an approximation, also used for HF assisted generation).
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import statistics
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from tqdm.auto import tqdm
+from transformers import StopStringCriteria, StoppingCriteriaList
 
+from decode.draft_length import choose_draft_length
 from decode.metrics import DecodeStats, theoretical_speedup
 from decode.speculative import (
     SpeculativeOutput,
@@ -39,6 +46,9 @@ class _PromptRun:
     speculative: SpeculativeOutput
     hf_tokens: torch.Tensor | None = None
     hf_decode_s: float = 0.0
+
+
+TARGET_ENGINES = ("hf", "loop")
 
 
 @torch.inference_mode()
@@ -77,29 +87,93 @@ def measure_cost_ratio(target, drafter, prompts_ids: Sequence[Sequence[int]], re
     return draft_s / target_s
 
 
-def _hf_assisted_generate(target, drafter, input_ids, *, draft_length, max_new_tokens, eos_token_ids,
-                          temperature, top_k=0, top_p=1.0) -> tuple[torch.Tensor, float]:
-    """HF assisted generation with a constant draft length; returns (new tokens, wall seconds)."""
-    # The candidate generator reads these from the *assistant's* generation config; the
-    # "heuristic" schedule would also write the draft length back there between calls.
-    saved = copy.deepcopy(drafter.generation_config)
-    drafter.generation_config.num_assistant_tokens = draft_length
-    drafter.generation_config.num_assistant_tokens_schedule = "constant"
-    drafter.generation_config.assistant_confidence_threshold = 0.0  # 0 disables early draft stopping
-    kwargs = dict(
-        max_new_tokens=max_new_tokens, do_sample=temperature > 0, repetition_penalty=1.0,
-        num_assistant_tokens=draft_length, num_assistant_tokens_schedule="constant",
-        assistant_confidence_threshold=0.0,
-    )
+@torch.inference_mode()
+def measure_verify_costs(target, prompts_ids: Sequence[Sequence[int]], max_tokens: int, repeats: int = 3) -> list[float]:
+    """Cost of one cached target forward over n tokens in units of a 1-token forward, n = 1..max_tokens.
+
+    ``result[n - 1]`` = median time(n tokens) / median time(1 token), summed
+    over prompts. Leviathan et al.'s Theorem 3.8 assumes 1.0 for every n
+    (verification as cheap as a decoding step, as on a GPU); on a CPU it
+    grows with n, which is why measured speedups there fall short of theirs.
+
+    Raises:
+        ValueError: no prompts or max_tokens < 1.
+    """
+    if not prompts_ids or max_tokens < 1:
+        raise ValueError("measure_verify_costs needs a prompt and max_tokens >= 1")
+    totals = [0.0] * max_tokens
+    for ids in prompts_ids:
+        input_ids = torch.tensor([list(ids)], device=target.device)
+        cache = _prefill(target, input_ids)
+        base = input_ids.shape[1] - 1
+        for n in range(1, max_tokens + 1):
+            block = input_ids[:, -1:].repeat(1, n)
+            times = []
+            for i in range(repeats + 1):  # the first call warms up
+                _sync(target.device)
+                start = time.perf_counter()
+                _forward(target, block, cache)
+                _sync(target.device)
+                if i:
+                    times.append(time.perf_counter() - start)
+                _crop(cache, base)
+            totals[n - 1] += statistics.median(times)
+    return [t / totals[0] for t in totals]
+
+
+def _hf_kwargs(*, max_new_tokens, eos_token_ids, temperature, top_k=0, top_p=1.0, stop_strings=(),
+               tokenizer=None) -> dict:
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, repetition_penalty=1.0)
     if eos_token_ids:
         kwargs.update(eos_token_id=list(eos_token_ids), pad_token_id=eos_token_ids[0])
     if temperature > 0:
         kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
+    else:  # the target's generation_config may hold sampling defaults; greedy ignores them
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    if stop_strings:
+        kwargs.update(stop_strings=list(stop_strings), tokenizer=tokenizer)
+    return kwargs
+
+
+@torch.inference_mode()
+def _hf_target_generate(target, input_ids, **decode_args) -> tuple[torch.Tensor, float]:
+    """The target alone through transformers' ``generate``; returns (new tokens, wall seconds)."""
+    _sync(target.device)
+    start = time.perf_counter()
+    output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **_hf_kwargs(**decode_args))
+    _sync(target.device)
+    return output[0, input_ids.shape[1]:], time.perf_counter() - start
+
+
+def _prefill_seconds(model, input_ids) -> float:
+    _sync(model.device)
+    start = time.perf_counter()
+    _prefill(model, input_ids)
+    _sync(model.device)
+    return time.perf_counter() - start
+
+
+def _hf_assisted_generate(target, drafter, input_ids, *, draft_length, schedule="constant",
+                          confidence_threshold=0.0, **decode_args) -> tuple[torch.Tensor, float]:
+    """HF assisted generation with our draft-length settings; returns (new tokens, wall seconds)."""
+    # The candidate generator reads these from the *assistant's* generation config; the
+    # "heuristic" schedule also writes the draft length back there between calls, so it is restored.
+    saved = copy.deepcopy(drafter.generation_config)
+    assisted = dict(num_assistant_tokens=draft_length, num_assistant_tokens_schedule=schedule,
+                    assistant_confidence_threshold=confidence_threshold)  # 0 disables early draft stopping
+    for key, value in assisted.items():
+        setattr(drafter.generation_config, key, value)
+    kwargs = _hf_kwargs(**decode_args)
+    if "stop_strings" in kwargs:
+        # transformers 5.24 forwards `stop_strings` to the assistant's generate without the tokenizer,
+        # which then raises; a stopping criterion applies to the target's output only.
+        kwargs["stopping_criteria"] = StoppingCriteriaList(
+            [StopStringCriteria(kwargs.pop("tokenizer"), kwargs.pop("stop_strings"))])
     try:
         _sync(target.device)
         start = time.perf_counter()
-        output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                 assistant_model=drafter, **kwargs)
+        output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
+                                 **assisted, **kwargs)
         _sync(target.device)
         seconds = time.perf_counter() - start
     finally:
@@ -107,12 +181,53 @@ def _hf_assisted_generate(target, drafter, input_ids, *, draft_length, max_new_t
     return output[0, input_ids.shape[1]:], seconds
 
 
-def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greedy: bool) -> dict:
+def hf_assisted_defaults(target, drafter, prompts: list[tuple[str, str, list[int]]], *, max_new_tokens: int,
+                         eos_token_ids: Sequence[int], progress: bool = True) -> dict:
+    """transformers' assisted generation as a user gets it: ``generate(assistant_model=drafter)``, greedy.
+
+    transformers 5 defaults: 20 draft tokens, constant schedule, confidence threshold 0.4 (tuned on
+    the fly from a ROC curve when scikit-learn is installed). Decode seconds = wall time minus our
+    measured prefill of both models, as for the other HF figures.
+
+    Returns:
+        ``tokens_per_s``, ``new_tokens``, ``decode_s`` pooled over prompts, and the settings used.
+    """
+    tokens, seconds = 0, 0.0
+    warm_up = torch.tensor([prompts[0][2]], device=target.device)
+    target.generate(warm_up, attention_mask=torch.ones_like(warm_up), assistant_model=drafter,
+                    **_hf_kwargs(max_new_tokens=4, eos_token_ids=eos_token_ids, temperature=0.0))
+    for _, _, ids in tqdm(prompts, desc="HF assisted (defaults)", unit="prompt", disable=not progress):
+        input_ids = torch.tensor([list(ids)], device=target.device)
+        prefill_s = _prefill_seconds(target, input_ids) + _prefill_seconds(drafter, input_ids)
+        saved = copy.deepcopy(drafter.generation_config)
+        try:
+            _sync(target.device)
+            start = time.perf_counter()
+            output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
+                                     **_hf_kwargs(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                                                  temperature=0.0))
+            _sync(target.device)
+            seconds += max(time.perf_counter() - start - prefill_s, 1e-9)
+        finally:
+            drafter.generation_config = saved  # the confidence threshold it tuned stays out of later runs
+        tokens += output.shape[1] - input_ids.shape[1]
+    return {"tokens_per_s": tokens / seconds, "new_tokens": tokens, "decode_s": seconds,
+            "settings": "transformers defaults: num_assistant_tokens=20, constant, assistant_confidence_threshold=0.4"}
+
+
+def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greedy: bool,
+             verify_costs: Sequence[float] | None = None, target_engine: str = "hf") -> dict:
     target = DecodeStats.merge([r.target.stats for r in runs])
     spec = DecodeStats.merge([r.speculative.stats for r in runs])
+    mean_k = spec.mean_draft_length
+    # Thm 3.8 at the K actually drafted (the mean, for adaptive schedules)
+    k_theory = max(1, round(mean_k)) if mean_k else draft_length
+    theory = theoretical_speedup(spec.alpha, k_theory, cost_ratio)
+    speedup = spec.tokens_per_s / target.tokens_per_s if target.tokens_per_s else 0.0
     figures = {
         "num_prompts": len(runs),
         "draft_length": draft_length,
+        "mean_draft_length": mean_k,
         "new_tokens": spec.new_tokens,
         "acceptance_rate": spec.acceptance_rate,
         "alpha": spec.alpha,
@@ -120,17 +235,27 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
         "per_position_acceptance": spec.per_position_acceptance,
         "target_tokens_per_s": target.tokens_per_s,
         "speculative_tokens_per_s": spec.tokens_per_s,
-        "speedup": spec.tokens_per_s / target.tokens_per_s if target.tokens_per_s else 0.0,
+        "speedup": speedup,
         "cost_ratio": cost_ratio,
-        "theoretical_speedup": theoretical_speedup(spec.alpha, draft_length, cost_ratio),
+        "theoretical_speedup": theory,
+        "measured_over_theoretical": speedup / theory if theory else 0.0,
         "outputs_match_target": (all(torch.equal(r.speculative.new_tokens, r.target.new_tokens) for r in runs)
                                  if greedy else None),
         "baselines": {
-            "target": {"tokens_per_s": target.tokens_per_s, "new_tokens": target.new_tokens,
+            "target": {"engine": "transformers generate" if target_engine == "hf" else "draftsmith loop",
+                       "tokens_per_s": target.tokens_per_s, "new_tokens": target.new_tokens,
                        "decode_s": target.decode_s, "prefill_s": target.prefill_s},
             "hf_assisted": None,
         },
     }
+    if verify_costs:
+        # the same formula with the measured cost of verifying K + 1 tokens (not free on a CPU)
+        verify = verify_costs[min(k_theory, len(verify_costs) - 1)]
+        figures["verify_cost"] = verify
+        figures["cost_model_speedup"] = spec.mean_accepted_tokens / (mean_k * cost_ratio + verify) if mean_k else 0.0
+        choice = choose_draft_length(spec.per_position_acceptance, cost_ratio, accuracy=spec.acceptance_rate,
+                                     verify_costs=verify_costs, max_k=max(8, len(verify_costs) - 1))
+        figures["draft_length_choice"] = asdict(choice)
     if all(r.hf_tokens is not None for r in runs):
         hf_tokens = sum(len(r.hf_tokens) for r in runs)
         hf_decode_s = sum(r.hf_decode_s for r in runs)
@@ -140,6 +265,7 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
             "new_tokens": hf_tokens,
             "decode_s": hf_decode_s,
             "speedup": hf_tokens_per_s / target.tokens_per_s if target.tokens_per_s else 0.0,
+            "ours_over_hf": spec.tokens_per_s / hf_tokens_per_s if hf_tokens_per_s else 0.0,
             "outputs_match_target": (all(torch.equal(r.hf_tokens.to(r.target.new_tokens.device),
                                                      r.target.new_tokens) for r in runs)
                                      if greedy else None),
@@ -149,26 +275,50 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
 
 def run_target_alone(target, prompts: list[tuple[str, str, list[int]]], *, max_new_tokens: int,
                      eos_token_ids: Sequence[int], temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                     seed: int = 0, vocab_size: int | None = None, progress: bool = True) -> list[SpeculativeOutput]:
-    """The target decoding alone on each prompt (our KV-cached loop), for :func:`benchmark`'s ``target_outputs``.
+                     seed: int = 0, vocab_size: int | None = None, engine: str = "hf",
+                     stop_strings: Sequence[str] = (), tokenizer=None,
+                     progress: bool = True) -> list[SpeculativeOutput]:
+    """The target decoding alone on each prompt, for :func:`benchmark`'s ``target_outputs``.
 
     Args:
         prompts: ``(prompt_id, category, token ids)`` triples.
-        vocab_size: sample over the first ``vocab_size`` logits (the vocabulary shared with the drafters).
+        engine: ``hf`` = transformers ``generate`` (the reference users compare against;
+            decode seconds = wall time minus a separately measured prefill), ``loop`` = our
+            KV-cached loop (``decode.speculative.target_generate``, exact decode timing).
+        vocab_size: (``loop`` only) sample over the first ``vocab_size`` logits, the
+            vocabulary shared with the drafters; transformers samples over the full one.
+        stop_strings, tokenizer: stop texts, as in ``speculative_generate``.
     Returns:
         one :class:`SpeculativeOutput` per prompt, with decode-only timings in its stats.
+    Raises:
+        ValueError: unknown engine or no prompts.
     """
+    if engine not in TARGET_ENGINES:
+        raise ValueError(f"unknown target engine {engine!r}: choose one of {', '.join(TARGET_ENGINES)}")
+    if not prompts:
+        raise ValueError("run_target_alone needs at least one prompt")
     device = target.device
-    warm_up = torch.tensor([prompts[0][2]], device=device)
-    target_generate(target, warm_up, max_new_tokens=min(4, max_new_tokens), eos_token_ids=eos_token_ids,
-                    temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size)
-    outputs = []
-    for _, _, ids in tqdm(prompts, desc="target alone", unit="prompt", disable=not progress):
-        outputs.append(target_generate(
-            target, torch.tensor([list(ids)], device=device), max_new_tokens=max_new_tokens,
-            eos_token_ids=eos_token_ids, temperature=temperature, top_k=top_k, top_p=top_p,
-            generator=torch.Generator(device=device).manual_seed(seed), vocab_size=vocab_size))
-    return outputs
+    decode_args = dict(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, temperature=temperature,
+                       top_k=top_k, top_p=top_p, stop_strings=stop_strings, tokenizer=tokenizer)
+
+    def one(ids: Sequence[int], max_tokens: int) -> SpeculativeOutput:
+        input_ids = torch.tensor([list(ids)], device=device)
+        args = {**decode_args, "max_new_tokens": max_tokens}
+        if engine == "loop":
+            return target_generate(target, input_ids, **args, vocab_size=vocab_size,
+                                   generator=torch.Generator(device=device).manual_seed(seed))
+        if temperature > 0:
+            torch.manual_seed(seed)  # transformers samples from torch's global generator
+        prefill_s = _prefill_seconds(target, input_ids)
+        tokens, wall_s = _hf_target_generate(target, input_ids, **args)
+        stats = DecodeStats(draft_length=0, target_forwards=len(tokens), new_tokens=len(tokens),
+                            prefill_s=prefill_s, decode_s=max(wall_s - prefill_s, 1e-9),
+                            accepted_per_block=[0] * len(tokens), drafted_per_block=[0] * len(tokens))
+        return SpeculativeOutput(tokens, stats)
+
+    one(prompts[0][2], min(4, max_new_tokens))  # warm-up
+    return [one(ids, max_new_tokens)
+            for _, _, ids in tqdm(prompts, desc=f"target alone ({engine})", unit="prompt", disable=not progress)]
 
 
 def benchmark(
@@ -182,38 +332,57 @@ def benchmark(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    schedule: str = "constant",
+    max_draft_length: int | None = None,
+    confidence_threshold: float = 0.0,
+    stop_strings: Sequence[str] = (),
+    tokenizer=None,
     hf_assisted: bool = True,
+    hf_drafter=None,
+    target_engine: str = "hf",
     progress: bool = True,
     seed: int = 0,
     target_outputs: Sequence[SpeculativeOutput] | None = None,
 ) -> dict:
     """Measure our speculative decoder against the target alone and HF assisted generation.
 
-    For each ``(prompt_id, category, input_ids)``: ``target_generate``
-    (baseline, sampling over the common vocabulary), ``speculative_generate``,
-    and if ``hf_assisted`` ``target.generate(assistant_model=drafter)`` with a
-    constant ``num_assistant_tokens = draft_length`` and no confidence
-    threshold. A short warm-up run precedes the timings.
+    For each ``(prompt_id, category, input_ids)``: the target alone
+    (:func:`run_target_alone`, ``target_engine``), ``speculative_generate``,
+    and if ``hf_assisted`` ``target.generate(assistant_model=drafter)`` with
+    the same draft length, schedule and confidence threshold. Short warm-up
+    runs precede the timings.
+
+    ``schedule="auto"`` first calibrates on up to 2 prompts with
+    K = ``max_draft_length`` (default 8): per-position acceptance, c and the
+    verification costs give K by :func:`decode.draft_length.choose_draft_length`;
+    the benchmark then runs a constant schedule at that K (the choice is under
+    ``auto_draft_length``).
 
     Speeds are decode-only: tokens / seconds after the prompt prefill,
-    pooled over prompts. HF does not report its prefill separately, so its
-    decode seconds are its wall time minus our measured prefill of both
-    models on the same prompt (an approximation). ``speedup`` =
-    speculative / target tokens per second. ``theoretical_speedup`` is
-    Leviathan et al. 2023 Thm 3.8 at the measured ``alpha`` (accepted /
-    verified positions) and ``cost_ratio`` c (drafter / target 1-token
-    forward time, measured separately on up to 3 prompts).
+    pooled over prompts. ``speedup`` = speculative / target tokens per second.
+    ``theoretical_speedup`` is Leviathan et al. 2023 Thm 3.8 at the measured
+    ``alpha`` (accepted / verified positions), the mean drafted K and
+    ``cost_ratio`` c (drafter / target 1-token forward time, measured on up
+    to 3 prompts); ``cost_model_speedup`` replaces its free verification by
+    the measured cost of a (K+1)-token target forward (``verify_cost``).
 
     Args:
         target, drafter: causal LMs sharing a tokenizer, eval mode, same device.
         prompts: ``(prompt_id, category, token ids)`` triples, at least one.
-        draft_length: K >= 1.
+        draft_length: K >= 1 (the starting K of the heuristic schedule).
         max_new_tokens: per prompt.
         eos_token_ids: generation stops at any of these.
         temperature: 0 = greedy (outputs are compared token for token);
             > 0 samples (``outputs_match_target`` is then None).
         top_k, top_p: sampling filters (0 / 1.0 = off), applied to both models.
+        schedule: ``constant``, ``heuristic`` or ``auto`` (see above).
+        max_draft_length: cap of the heuristic schedule; calibration K of ``auto``.
+        confidence_threshold: stop drafting below this drafter probability (0 = off).
+        stop_strings, tokenizer: stop texts (applied to every decoder).
         hf_assisted: also run HF assisted generation.
+        hf_drafter: the drafter module HF assisted generation uses; None = ``drafter`` itself
+            (pass the unquantized drafter to compare against what a transformers user runs).
+        target_engine: ``hf`` or ``loop``, see :func:`run_target_alone`.
         progress: show a tqdm bar with the running acceptance rate.
         seed: seeds the per-prompt generators when sampling.
         target_outputs: the target-alone runs of these prompts from :func:`run_target_alone`
@@ -222,14 +391,17 @@ def benchmark(
     Returns:
         A dict: ``acceptance_rate``, ``alpha``, ``mean_accepted_tokens`` (tau,
         +1 included), ``per_position_acceptance``, ``draft_length``,
-        ``num_prompts``, ``new_tokens``, ``target_tokens_per_s``,
-        ``speculative_tokens_per_s``, ``speedup``, ``cost_ratio``,
-        ``theoretical_speedup``, ``outputs_match_target``, ``baselines``
+        ``mean_draft_length``, ``num_prompts``, ``new_tokens``,
+        ``target_tokens_per_s``, ``speculative_tokens_per_s``, ``speedup``,
+        ``cost_ratio``, ``verify_cost``, ``theoretical_speedup``,
+        ``cost_model_speedup``, ``measured_over_theoretical``,
+        ``draft_length_choice`` (recommended K, the article's rule of thumb,
+        expected speedup per K), ``outputs_match_target``, ``baselines``
         (``target``, ``hf_assisted`` or None), ``per_category`` (category ->
-        the same figures), ``per_prompt`` (list of per-prompt figures),
-        ``notes`` (list of str, e.g. why HF assisted was skipped: transformers
-        refuses an assistant whose vocabulary size differs from the target's
-        unless given both tokenizers).
+        the same figures), ``per_prompt``, ``schedule``, ``notes`` (list of
+        str, e.g. why HF assisted was skipped: transformers refuses an
+        assistant whose vocabulary size differs from the target's unless
+        given both tokenizers).
 
     Raises:
         ValueError: no prompts, or arguments rejected by the decoders.
@@ -238,57 +410,84 @@ def benchmark(
         raise ValueError("benchmark needs at least one prompt")
     if target_outputs is not None and len(target_outputs) != len(prompts):
         raise ValueError(f"target_outputs has {len(target_outputs)} runs for {len(prompts)} prompts")
+    if schedule not in ("constant", "heuristic", "auto"):
+        raise ValueError(f"unknown schedule {schedule!r}: choose constant, heuristic or auto")
     device, greedy = target.device, temperature == 0
     vocab = min(_vocab_size(target), _vocab_size(drafter))
     decode_args = dict(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, temperature=temperature,
-                       top_k=top_k, top_p=top_p)
+                       top_k=top_k, top_p=top_p, stop_strings=stop_strings, tokenizer=tokenizer)
+    notes = []
 
-    def generator() -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(seed)
+    auto = None
+    if schedule == "auto":
+        calibration_k = max_draft_length or 8
+        calibration = benchmark(target, drafter, prompts[:2], draft_length=calibration_k,
+                                **{**decode_args, "max_new_tokens": min(64, max_new_tokens)},
+                                confidence_threshold=confidence_threshold, hf_assisted=False,
+                                target_engine="loop", progress=False, seed=seed)
+        auto = {"calibration_prompts": [p[0] for p in prompts[:2]], "calibration_draft_length": calibration_k,
+                **calibration["draft_length_choice"]}
+        draft_length, schedule = auto["best_draft_length"], "constant"
+        notes.append(f"auto draft length: K = {draft_length} chosen from a calibration at K = {calibration_k} "
+                     f"on {len(prompts[:2])} of these prompts (rule of thumb K = accuracy x 5 says "
+                     f"{auto['rule_of_thumb']})")
+    spec_args = dict(draft_length=draft_length, schedule=schedule, max_draft_length=max_draft_length,
+                     confidence_threshold=confidence_threshold)
 
     warm_up = torch.tensor([prompts[0][2]], device=device)
-    target_generate(target, warm_up, **{**decode_args, "max_new_tokens": min(4, max_new_tokens)}, vocab_size=vocab)
-    speculative_generate(target, drafter, warm_up, draft_length=draft_length,
-                         **{**decode_args, "max_new_tokens": min(2 * draft_length + 2, max_new_tokens)})
-    notes = []
-    if hf_assisted and _vocab_size(target) != _vocab_size(drafter):
+    warm_args = {**decode_args, "max_new_tokens": min(2 * draft_length + 2, max_new_tokens)}
+    speculative_generate(target, drafter, warm_up, **spec_args, **warm_args)
+    if target_outputs is None:
+        target_outputs = run_target_alone(target, prompts, **decode_args, seed=seed, vocab_size=vocab,
+                                          engine=target_engine, progress=progress)
+    hf_drafter = drafter if hf_drafter is None else hf_drafter
+    if hf_assisted and _vocab_size(target) != _vocab_size(hf_drafter):
         # transformers 5 takes a different vocabulary size for a different tokenizer and then
         # requires `tokenizer`/`assistant_tokenizer` (universal assisted decoding), not comparable.
         hf_assisted = False
         notes.append(f"HF assisted generation skipped: vocabulary sizes differ "
-                     f"({_vocab_size(target)} vs {_vocab_size(drafter)}), which transformers treats as "
+                     f"({_vocab_size(target)} vs {_vocab_size(hf_drafter)}), which transformers treats as "
                      f"different tokenizers")
         warnings.warn(notes[-1], stacklevel=2)
+    hf_args = dict(draft_length=draft_length, schedule=schedule, confidence_threshold=confidence_threshold)
     if hf_assisted:
-        _hf_assisted_generate(target, drafter, warm_up, draft_length=draft_length,
-                              **{**decode_args, "max_new_tokens": min(2 * draft_length + 2, max_new_tokens)})
+        _hf_assisted_generate(target, hf_drafter, warm_up, **hf_args, **warm_args)
 
     runs: list[_PromptRun] = []
-    bar = tqdm(prompts, desc=f"speculative K={draft_length}", unit="prompt", disable=not progress)
+    bar = tqdm(prompts, desc=f"speculative K={draft_length} ({schedule})", unit="prompt", disable=not progress)
     for i, (prompt_id, category, ids) in enumerate(bar):
         input_ids = torch.tensor([list(ids)], device=device)
-        run = _PromptRun(
-            prompt_id, category,
-            target=target_outputs[i] if target_outputs is not None else
-            target_generate(target, input_ids, **decode_args, generator=generator(), vocab_size=vocab),
-            speculative=speculative_generate(target, drafter, input_ids, draft_length=draft_length,
-                                             **decode_args, generator=generator()),
-        )
+        run = _PromptRun(prompt_id, category, target=target_outputs[i], speculative=speculative_generate(
+            target, drafter, input_ids, **spec_args, **decode_args,
+            generator=torch.Generator(device=device).manual_seed(seed)))
         if hf_assisted:
-            run.hf_tokens, wall_s = _hf_assisted_generate(target, drafter, input_ids, draft_length=draft_length,
-                                                          **decode_args)
-            run.hf_decode_s = max(wall_s - run.speculative.stats.prefill_s, 1e-9)
+            if temperature > 0:
+                torch.manual_seed(seed)
+            run.hf_tokens, wall_s = _hf_assisted_generate(target, hf_drafter, input_ids, **hf_args, **decode_args)
+            # HF does not time its prefill: subtract a separately timed prefill of both of its models
+            prefill_s = _prefill_seconds(target, input_ids) + _prefill_seconds(hf_drafter, input_ids)
+            run.hf_decode_s = max(wall_s - prefill_s, 1e-9)
         runs.append(run)
         pooled = DecodeStats.merge([r.speculative.stats for r in runs])
         bar.set_postfix(acceptance=f"{pooled.acceptance_rate:.3f}", tau=f"{pooled.mean_accepted_tokens:.2f}")
 
-    cost_ratio = measure_cost_ratio(target, drafter, [ids for _, _, ids in prompts[:3]])
-    result = _figures(runs, draft_length, cost_ratio, greedy)
+    calibration_ids = [ids for _, _, ids in prompts[:3]]
+    cost_ratio = measure_cost_ratio(target, drafter, calibration_ids)
+    longest = max(max(r.speculative.stats.drafted_per_block, default=0) for r in runs)
+    verify_costs = measure_verify_costs(target, calibration_ids[:1], min(max(8, longest), 16) + 1)
+
+    def figures(subset):
+        return _figures(subset, draft_length, cost_ratio, greedy, verify_costs, target_engine)
+
+    result = figures(runs)
+    result["schedule"] = {"name": schedule if auto is None else "auto", "max_draft_length": max_draft_length,
+                          "confidence_threshold": confidence_threshold}
+    if auto is not None:
+        result["auto_draft_length"] = auto
+    result["verify_costs"] = verify_costs
     result["notes"] = notes
-    result["per_category"] = {
-        category: _figures([r for r in runs if r.category == category], draft_length, cost_ratio, greedy)
-        for category in sorted({r.category for r in runs})
-    }
+    result["per_category"] = {category: figures([r for r in runs if r.category == category])
+                              for category in sorted({r.category for r in runs})}
     result["per_prompt"] = [
         {
             "prompt_id": r.prompt_id,

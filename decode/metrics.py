@@ -80,17 +80,23 @@ class DecodeStats:
 
     @property
     def per_position_acceptance(self) -> list[float | None]:
-        """P(draft position i accepted | positions 0..i-1 accepted), i = 0..K-1.
+        """P(draft position i accepted | positions 0..i-1 accepted), i = 0..max(K, longest block)-1.
 
         ``None`` where position i was never reached (no block drafted that far
         with all earlier drafts accepted).
         """
         result: list[float | None] = []
-        for i in range(self.draft_length):
+        for i in range(max(self.draft_length, max(self.drafted_per_block, default=0))):  # adaptive K may exceed it
             reached = sum(1 for a, d in zip(self.accepted_per_block, self.drafted_per_block) if d > i and a >= i)
             accepted = sum(1 for a in self.accepted_per_block if a > i)
             result.append(accepted / reached if reached else None)
         return result
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Draft tokens proposed per block (K for a constant schedule away from ``max_new_tokens``); 0.0 without blocks."""
+        blocks = len(self.drafted_per_block)
+        return sum(self.drafted_per_block) / blocks if blocks else 0.0
 
     @property
     def tokens_per_s(self) -> float:

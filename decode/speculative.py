@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from decode.draft_length import make_schedule
 from decode.metrics import DecodeStats
 from decode.sampling import check_sampling_args, greedy_accept, process_logits, sample, speculative_accept
+from decode.stopping import StopStrings
 
 
 @dataclass
@@ -103,6 +105,11 @@ def speculative_generate(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    schedule: str = "constant",
+    max_draft_length: int | None = None,
+    confidence_threshold: float = 0.0,
+    stop_strings: Sequence[str] = (),
+    tokenizer=None,
 ) -> SpeculativeOutput:
     """Generate with speculative decoding; the output follows the target's distribution.
 
@@ -121,7 +128,8 @@ def speculative_generate(
             a tokenizer, in eval mode, on the same device.
         input_ids: ``(1, prompt_len)`` LongTensor, prompt_len >= 1.
         draft_length: K >= 1 tokens drafted per block (fewer when fewer than
-            K + 1 tokens remain before ``max_new_tokens``).
+            K + 1 tokens remain before ``max_new_tokens``); the starting K
+            of an adaptive ``schedule``.
         max_new_tokens: upper bound on emitted tokens, never exceeded.
         eos_token_ids: generation stops at the first of these; it is emitted,
             nothing after it.
@@ -129,6 +137,18 @@ def speculative_generate(
             applied to both models; temperature 0 is greedy.
         generator: randomness for temperature > 0, on the models' device;
             None uses torch's global generator. Unused when greedy.
+        schedule: ``constant`` (K every block) or ``heuristic`` (transformers'
+            rule: K + 2 after a fully accepted block, else K - 1, min 1); see
+            ``decode.draft_length``.
+        max_draft_length: cap on K for the heuristic schedule (None = uncapped).
+        confidence_threshold: stop drafting a block after a draft token whose
+            drafter probability is below this (greedy: softmax of the raw
+            logits; sampling: the processed distribution it was drawn from),
+            as transformers' ``assistant_confidence_threshold``; 0 = off.
+            Changes only speed, never the output.
+        stop_strings: stop after the token completing any of these texts
+            (kept in the output, as in transformers); needs ``tokenizer``.
+        tokenizer: decodes tokens for ``stop_strings``.
 
     Returns:
         ``SpeculativeOutput``; ``stats.decode_s`` excludes the prompt prefill.
@@ -137,8 +157,10 @@ def speculative_generate(
         ValueError: bad shapes or arguments out of range.
     """
     _check_args(input_ids, max_new_tokens)
-    if draft_length < 1:
-        raise ValueError(f"draft_length must be >= 1, got {draft_length}")
+    if not 0.0 <= confidence_threshold < 1.0:
+        raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
+    draft_schedule = make_schedule(schedule, draft_length, max_draft_length)
+    stopper = StopStrings(stop_strings, tokenizer)
     check_sampling_args(temperature, top_k, top_p)
     device, greedy, eos = target.device, temperature == 0, set(eos_token_ids)
     vocab = min(_vocab_size(target), _vocab_size(drafter))
@@ -156,8 +178,8 @@ def speculative_generate(
     seq = input_ids[0].tolist()  # prompt + emitted tokens, on the host
     prompt_len = len(seq)
     while len(seq) - prompt_len < max_new_tokens:
-        k = min(draft_length, max_new_tokens - (len(seq) - prompt_len) - 1)
-        # 1. Draft k tokens; the first forward also feeds whatever the drafter has not seen yet.
+        k = min(draft_schedule.next_length(), max_new_tokens - (len(seq) - prompt_len) - 1)
+        # 1. Draft up to k tokens; the first forward also feeds whatever the drafter has not seen yet.
         draft_input = torch.tensor([seq[draft_cache.get_seq_length():]], device=drafter.device)
         draft_tokens, draft_probs = [], []
         for _ in range(k):
@@ -169,7 +191,12 @@ def speculative_generate(
                 token = sample(draft_probs[-1], generator)
             draft_tokens.append(token)
             draft_input = token.view(1, 1).to(drafter.device)
-        stats.draft_forwards += k
+            stats.draft_forwards += 1
+            if confidence_threshold > 0:
+                probs = torch.softmax(logits[:, :vocab].float(), -1) if greedy else draft_probs[-1]
+                if float(probs[0, token]) < confidence_threshold:
+                    break
+        k = len(draft_tokens)
         draft_tokens = torch.cat(draft_tokens) if k else torch.zeros(0, dtype=torch.long, device=device)
 
         # 2. Verify [last token, d_1..d_k] in one target forward: k+1 next-token distributions.
@@ -188,8 +215,15 @@ def speculative_generate(
         block = block[:n] + block[k:]
         stats.accepted_per_block.append(n)
         stats.drafted_per_block.append(k)
+        draft_schedule.update(k, n)
         stop = next((i for i, token in enumerate(block) if token in eos), None)
+        checked = len(seq) - prompt_len
         seq += block if stop is None else block[: stop + 1]
+        if stopper:
+            text_stop = stopper.first_stop(seq[prompt_len:], checked)
+            if text_stop is not None:
+                del seq[prompt_len + text_stop + 1:]
+                stop = text_stop
 
         # 4. Roll back: both caches keep at most seq[:-1] (rejected drafts are dropped).
         _crop(target_cache, len(seq) - 1)
@@ -215,6 +249,8 @@ def target_generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
+    stop_strings: Sequence[str] = (),
+    tokenizer=None,
 ) -> SpeculativeOutput:
     """Plain autoregressive decoding with a ``DynamicCache``: the baseline for speedups.
 
@@ -231,6 +267,7 @@ def target_generate(
         vocab_size: sample only among the first ``vocab_size`` token ids (pass
             ``min(V_target, V_draft)`` to compare with ``speculative_generate``
             token for token); None = the target's full vocabulary.
+        stop_strings, tokenizer: as in ``speculative_generate``.
 
     Returns:
         ``SpeculativeOutput`` with ``draft_length`` 0 and one block per token.
@@ -240,6 +277,7 @@ def target_generate(
     """
     _check_args(input_ids, max_new_tokens)
     check_sampling_args(temperature, top_k, top_p)
+    stopper = StopStrings(stop_strings, tokenizer)
     device, eos = target.device, set(eos_token_ids)
     vocab = vocab_size or _vocab_size(target)
     stats = DecodeStats(draft_length=0)
@@ -251,7 +289,7 @@ def target_generate(
     start = time.perf_counter()
 
     token = input_ids[:, -1:].to(device)
-    new_tokens = []
+    new_tokens, host_tokens = [], []
     for _ in range(max_new_tokens):
         logits = _forward(target, token, cache, last_only=True)[:, :vocab]
         token = logits.argmax(-1) if temperature == 0 else sample(
@@ -259,8 +297,10 @@ def target_generate(
         new_tokens.append(token)
         token = token.view(1, 1)
         stats.target_forwards += 1
-        if eos and int(token) in eos:  # one host sync per token, as any stopping rule needs
-            break
+        if eos or stopper:  # one host sync per token, as any stopping rule needs
+            host_tokens.append(int(token))
+            if host_tokens[-1] in eos or stopper.first_stop(host_tokens, len(host_tokens) - 1) is not None:
+                break
 
     _sync(device)
     stats.decode_s = time.perf_counter() - start

@@ -147,9 +147,27 @@ class DecodeConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     max_new_tokens: int = 128
+    # constant: K every block; heuristic: transformers' rule (K+2 after a fully accepted block, else K-1);
+    # auto: K chosen from a short calibration (per-position acceptance, c, verification cost)
+    schedule: str = "constant"
+    max_draft_length: Optional[int] = None  # heuristic: cap on K (null = none); auto: calibration K (null = 8)
+    confidence_threshold: float = 0.0  # stop a draft block below this drafter probability (0 = off)
+    stop_strings: list[str] = field(default_factory=list)  # stop after the token completing one of these
+    # the drafter as the decoder runs it: auto = int8-dynamic on CPU (about 3x cheaper forwards), none on GPU;
+    # never changes the output, only the cost ratio c and (slightly) acceptance
+    drafter_quantization: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.draft_length >= 1, "decode.draft_length", "must be >= 1")
+        _check(self.schedule in ("constant", "heuristic", "auto"), "decode.schedule",
+               f"must be constant, heuristic or auto, got {self.schedule!r}")
+        _check(self.max_draft_length is None or self.max_draft_length >= self.draft_length,
+               "decode.max_draft_length", f"must be null or >= decode.draft_length ({self.draft_length})")
+        _check(0 <= self.confidence_threshold < 1, "decode.confidence_threshold", "must be in [0, 1) (0 = off)")
+        _check(self.drafter_quantization in ("auto", "none", "int8-dynamic"), "decode.drafter_quantization",
+               f"must be auto, none or int8-dynamic, got {self.drafter_quantization!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop_strings), "decode.stop_strings",
+               "must be a list of non-empty strings")
         _check(self.temperature >= 0, "decode.temperature", "must be >= 0 (0 = greedy)")
         _check(self.top_k >= 0, "decode.top_k", "must be >= 0 (0 = off)")
         _check(0 < self.top_p <= 1, "decode.top_p", "must be in (0, 1]")
@@ -163,10 +181,13 @@ class EvaluateConfig:
     num_prompts: int = 6  # held-out evaluation prompts (never used for training)
     hf_assisted: bool = True  # also time transformers' assisted generation with the tuned drafter
     baseline: bool = True  # also measure the undistilled drafter
+    target_engine: str = "hf"  # target-alone baseline: hf = transformers generate, loop = our KV-cached loop
     seed: int = 0
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "evaluate.num_prompts", "must be >= 1")
+        _check(self.target_engine in ("hf", "loop"), "evaluate.target_engine",
+               f"must be hf or loop, got {self.target_engine!r}")
 
 
 @dataclass

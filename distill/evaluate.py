@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decode.benchmark import benchmark, run_target_alone
+from decode.quantization import quantize_drafter, resolve_quantization
 from distill.config import Config
 from distill.errors import DraftsmithError
 from distill.generate import load_generated
@@ -86,8 +87,12 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     eos = eos_token_ids(target, tokenizer)
     prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in held_out]
     dec = cfg.decode
-    settings = dict(draft_length=dec.draft_length, max_new_tokens=dec.max_new_tokens, eos_token_ids=eos,
-                    temperature=dec.temperature, top_k=dec.top_k, top_p=dec.top_p, seed=cfg.evaluate.seed)
+    decode_args = dict(max_new_tokens=dec.max_new_tokens, eos_token_ids=eos, temperature=dec.temperature,
+                       top_k=dec.top_k, top_p=dec.top_p, seed=cfg.evaluate.seed,
+                       stop_strings=list(dec.stop_strings), tokenizer=tokenizer)
+    settings = dict(draft_length=dec.draft_length, schedule=dec.schedule, max_draft_length=dec.max_draft_length,
+                    confidence_threshold=dec.confidence_threshold, target_engine=cfg.evaluate.target_engine,
+                    **decode_args)
 
     base = None
     if cfg.evaluate.baseline:  # loaded first: a bad drafter config fails before the long runs
@@ -95,23 +100,25 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
         base.eval()
     vocab = min(m.get_output_embeddings().weight.shape[0] for m in (target, tuned, base) if m is not None)
+    quantization = resolve_quantization(dec.drafter_quantization, target.device)
+    tuned_run = quantize_drafter(tuned, quantization)  # the drafter as the decoder runs it
     print(f"evaluate: target alone on {len(prompts)} held-out prompts")
-    alone = run_target_alone(target, prompts, vocab_size=vocab,
-                             **{k: v for k, v in settings.items() if k != "draft_length"})
+    alone = run_target_alone(target, prompts, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
     print("evaluate: distilled drafter")
-    report: dict[str, Any] = benchmark(target, tuned, prompts, hf_assisted=cfg.evaluate.hf_assisted,
+    report: dict[str, Any] = benchmark(target, tuned_run, prompts, hf_assisted=cfg.evaluate.hf_assisted,
                                        target_outputs=alone, **settings)
     if base is not None:
         print("evaluate: undistilled drafter on the same prompts")
-        report["baseline_drafter"] = benchmark(target, base, prompts, hf_assisted=False, target_outputs=alone,
-                                               **settings)
+        report["baseline_drafter"] = benchmark(target, quantize_drafter(base, quantization), prompts,
+                                               hf_assisted=False, target_outputs=alone, **settings)
         del base
+    del tuned_run
 
     report.update({
         "target": {"name": cfg.target.name, "fingerprint": target_res.fingerprint, "dtype": cfg.target.dtype},
         "drafter": {**info, "dtype": cfg.drafter.dtype, "path": str(distill_dir / DRAFTER_DIR),
                     "parameters": sum(p.numel() for p in tuned.parameters())},
-        "decode": asdict(dec),
+        "decode": {**asdict(dec), "drafter_quantization_used": quantization},
         "engine": f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
         if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA",
         "prompt_ids": [p[0] for p in prompts],
@@ -121,6 +128,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         "(the target's correction or bonus token)",
         "speedup: decode tokens/s of speculative decoding over the target alone on the same prompts; "
         "prompt prefill excluded",
+        f"drafter run as {quantization} by the decoder (decode.drafter_quantization); HF assisted generation "
+        f"gets the same drafter module; the output is the target's either way",
         *report.get("notes", []),
     ]
     plots = write_report_plots(report, run_dir, training_metrics=distill_dir / "checkpoints" / "metrics.jsonl")

@@ -46,7 +46,9 @@ def _report_for(cfg: Config, distill_dir: Path) -> tuple[dict[str, Any] | None, 
 
 def _decoding(decode: dict[str, Any]) -> str:
     temperature = decode.get("temperature", 0.0)
-    return "greedy" if not temperature else f"sampling at temperature {temperature}, top-p {decode.get('top_p', 1.0)}"
+    mode = "greedy" if not temperature else f"sampling at temperature {temperature}, top-p {decode.get('top_p', 1.0)}"
+    quantization = decode.get("drafter_quantization_used")
+    return f"{mode}, drafter run as {quantization}" if quantization else mode
 
 
 def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:

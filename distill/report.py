@@ -15,7 +15,10 @@ _ROWS = [  # (label, key, format)
     ("target alone tokens/s", "target_tokens_per_s", "{:.2f}"),
     ("speedup vs target alone", "speedup", "{:.2f}x"),
     ("cost ratio c (drafter / target forward)", "cost_ratio", "{:.3f}"),
-    ("theoretical speedup (alpha, K, c)", "theoretical_speedup", "{:.2f}x"),
+    ("theoretical speedup (alpha, K, c; Leviathan et al. Thm 3.8)", "theoretical_speedup", "{:.2f}x"),
+    ("measured / theoretical speedup", "measured_over_theoretical", "{:.2f}"),
+    ("cost-model speedup (tau, c, measured (K+1)-token verify cost)", "cost_model_speedup", "{:.2f}x"),
+    ("mean draft length per block", "mean_draft_length", "{:.2f}"),
     ("greedy output identical to target", "outputs_match_target", "{}"),
 ]
 
@@ -37,7 +40,8 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         f"Target `{report.get('target', {}).get('name')}`, drafter from `{report.get('drafter', {}).get('base_name')}` "
         f"({report.get('drafter', {}).get('init')}), draft length K = {report.get('draft_length')}, "
         f"{report.get('num_prompts')} held-out prompts, {report.get('new_tokens')} new tokens. "
-        f"Engine: {report.get('engine')}.", "",
+        f"Engine: {report.get('engine')}; drafter run as "
+        f"{(report.get('decode') or {}).get('drafter_quantization_used', 'stored')}.", "",
         "| figure | undistilled drafter | distilled drafter |", "|---|---|---|",
     ]
     for label, key, fmt in _ROWS:
@@ -49,13 +53,31 @@ def render_report_markdown(report: dict[str, Any]) -> str:
                   f"| {_fmt(hf.get('tokens_per_s'), '{:.2f}')} | {_fmt(hf.get('speedup'), '{:.2f}x')} | "
                   f"{_fmt(hf.get('outputs_match_target'), '{}')} | "
                   f"{_fmt(_ratio(report.get('speculative_tokens_per_s'), hf.get('tokens_per_s')), '{:.2f}x')} |"]
+    target_base = (report.get("baselines") or {}).get("target") or {}
+    if target_base.get("engine"):
+        lines += ["", f"Target alone measured with {target_base['engine']}."]
+    choice = report.get("draft_length_choice")
+    if choice:
+        by_k = choice.get("expected_speedup_by_k") or {}
+        lines += ["", "## Choice of draft length K (distilled drafter)", "",
+                  f"Recommended K = {choice.get('best_draft_length')} from the measured per-position acceptance, "
+                  f"c = {_fmt(choice.get('cost_ratio'), '{:.3f}')} and the measured verification cost; the "
+                  f"article's rule of thumb K = accuracy x 5 gives K = {choice.get('rule_of_thumb')}. "
+                  + ("" if choice.get("speculation_pays") else
+                     "**No K is expected to beat the target alone with this pair on this machine.**"), "",
+                  "| K | " + " | ".join(str(k) for k in by_k) + " |", "|---|" + "---|" * len(by_k),
+                  "| expected speedup | " + " | ".join(_fmt(v, "{:.2f}x") for v in by_k.values()) + " |"]
     per_cat = report.get("per_category") or {}
     if per_cat:
         lines += ["", "## Per prompt category (distilled drafter)", "",
-                  "| category | prompts | alpha | tau | speedup |", "|---|---|---|---|---|"]
+                  "| category | prompts | acceptance | tau | tokens/s | speedup | theoretical | measured / theoretical |",
+                  "|---|---|---|---|---|---|---|---|"]
         for cat, fig in sorted(per_cat.items()):
             lines.append(f"| {cat} | {fig.get('num_prompts', '-')} | {_fmt(fig.get('acceptance_rate'), '{:.3f}')} | "
-                         f"{_fmt(fig.get('mean_accepted_tokens'), '{:.2f}')} | {_fmt(fig.get('speedup'), '{:.2f}x')} |")
+                         f"{_fmt(fig.get('mean_accepted_tokens'), '{:.2f}')} | "
+                         f"{_fmt(fig.get('speculative_tokens_per_s'), '{:.2f}')} | {_fmt(fig.get('speedup'), '{:.2f}x')} | "
+                         f"{_fmt(fig.get('theoretical_speedup'), '{:.2f}x')} | "
+                         f"{_fmt(fig.get('measured_over_theoretical'), '{:.2f}')} |")
     pos = report.get("per_position_acceptance")
     if pos:
         base_pos = base.get("per_position_acceptance") or [None] * len(pos)
@@ -79,7 +101,8 @@ def render_report_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: Path | None = None) -> list[Path]:
-    """PNG plots beside the report: acceptance by draft position, tokens/s per method, training loss.
+    """PNG plots beside the report: acceptance by draft position, tokens/s per method, expected and
+    measured speedup vs K, training loss.
 
     Args:
         training_metrics: the distill run's ``metrics.jsonl`` (one JSON object per step with ``loss``
@@ -124,6 +147,26 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
         ax.set(ylabel="decode tokens/s", title="Decoding speed on held-out prompts")
         fig.tight_layout()
         written.append(folder / "tokens_per_s.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    curves = [(label, (r.get("draft_length_choice") or {}).get("expected_speedup_by_k"), r)
+              for label, r in (("undistilled", base), ("distilled", report))]
+    curves = [(label, by_k, r) for label, by_k, r in curves if by_k]
+    if curves:
+        fig, ax = plt.subplots(figsize=(5.5, 3.2))
+        for i, (label, by_k, r) in enumerate(curves):
+            ks = [int(k) for k in by_k]
+            ax.plot(ks, list(by_k.values()), marker="o", color=f"C{i}", label=f"{label}: expected")
+            if isinstance(r.get("speedup"), (int, float)):
+                ax.scatter([r.get("draft_length")], [r["speedup"]], marker="*", s=120, color=f"C{i}",
+                           label=f"{label}: measured", zorder=3)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xlabel="draft length K", ylabel="speedup vs target alone",
+               title="Speedup vs K (measured acceptance, c, verify cost)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(folder / "speedup_vs_k.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 

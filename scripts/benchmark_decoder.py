@@ -1,0 +1,146 @@
+"""Benchmark the bundled speculative decoder against transformers, side by side in one run.
+
+    python scripts/benchmark_decoder.py --draft-lengths 1 2 3 4 6 --schedules constant heuristic auto \
+        --num-prompts 6 --max-new-tokens 96
+
+On the same prompts (by default the pipeline's held-out split of the mixed HumanEval + MT-Bench set) it
+measures the target alone with transformers ``generate`` once, then for every draft length K and
+schedule: our decoder and transformers' assisted generation with the same drafter, K, schedule and
+confidence threshold. Prints a Markdown table (acceptance, tau, tokens/s, speedup, ours / HF, c,
+theoretical speedup and measured / theoretical), and writes it with the raw figures (per category and
+per position included) and a plot of speedup vs K to ``--out``. Figures belong to the torch stack on
+this machine (its 2 CPU cores here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from decode.benchmark import benchmark, hf_assisted_defaults, run_target_alone
+from decode.quantization import QUANTIZATIONS, quantize_drafter, resolve_quantization
+from distill.models import eos_token_ids, load_model
+from distill.prompts import encode_prompt, load_prompts, split_prompts
+from distill.rundir import write_json_atomic, write_text_atomic
+
+COLUMNS = ("| K | schedule | acceptance | tau | mean K | ours tok/s | HF assisted tok/s | ours / HF | speedup | "
+           "HF speedup | c | theoretical | measured / theoretical | identical |")
+
+
+def _row(k, schedule, r) -> str:
+    hf = r["baselines"]["hf_assisted"] or {}
+    fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
+    return (f"| {r['draft_length'] if schedule == 'auto' else k} | {schedule} | {r['acceptance_rate']:.3f} | "
+            f"{r['mean_accepted_tokens']:.2f} | {r['mean_draft_length']:.2f} | {r['speculative_tokens_per_s']:.2f} | "
+            f"{fmt(hf.get('tokens_per_s'), '{:.2f}')} | {fmt(hf.get('ours_over_hf'), '{:.2f}x')} | "
+            f"{r['speedup']:.2f}x | {fmt(hf.get('speedup'), '{:.2f}x')} | {r['cost_ratio']:.3f} | "
+            f"{r['theoretical_speedup']:.2f}x | {r['measured_over_theoretical']:.2f} | {r['outputs_match_target']} |")
+
+
+def _plot(rows: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, schedule in enumerate(("constant", "heuristic")):
+        points = sorted((k, r) for (k, s), r in rows.items() if s == schedule)
+        if points:
+            ax.plot([k for k, _ in points], [r["speedup"] for _, r in points], marker="o", color=f"C{i}",
+                    label=f"ours ({schedule})")
+            hf = [(k, r["baselines"]["hf_assisted"]) for k, r in points if r["baselines"]["hf_assisted"]]
+            if hf:
+                ax.plot([k for k, _ in hf], [h["speedup"] for _, h in hf], marker="s", ls="--", color=f"C{i}",
+                        alpha=0.6, label=f"HF assisted ({schedule})")
+    constant = sorted((k, r) for (k, s), r in rows.items() if s == "constant")
+    if constant:
+        ax.plot([k for k, _ in constant], [r["theoretical_speedup"] for _, r in constant], ls=":", color="grey",
+                label="theoretical (Thm 3.8)")
+    for (k, s), r in rows.items():
+        if s == "auto":
+            ax.scatter([r["draft_length"]], [r["speedup"]], marker="*", s=150, color="C3", label="ours (auto K)", zorder=3)
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.set(xlabel="draft length K (starting K for heuristic)", ylabel="speedup vs target alone (HF generate)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct",
+                        help="a model name/path, or the drafter/ folder of a distill run")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--draft-lengths", type=int, nargs="+", default=[1, 2, 3, 4, 6])
+    parser.add_argument("--schedules", nargs="+", default=["constant"], choices=("constant", "heuristic", "auto"),
+                        help="auto runs once (K chosen by calibration), the others once per K")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0)
+    parser.add_argument("--drafter-quantization", default="auto", choices=QUANTIZATIONS,
+                        help="how our decoder runs the drafter (auto = int8-dynamic on CPU)")
+    parser.add_argument("--hf-drafter", default="same", choices=("same", "stored"),
+                        help="HF assisted gets the same (possibly quantized) drafter module, or the stored one")
+    parser.add_argument("--hf-defaults", action="store_true",
+                        help="also time generate(assistant_model=drafter) with transformers' default settings")
+    parser.add_argument("--no-hf-assisted", action="store_true", help="skip transformers' assisted generation")
+    parser.add_argument("--source", default="mixed", help="prompt source (humaneval, mtbench, sharegpt, mixed)")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path("outputs/benchmark_decoder"))
+    args = parser.parse_args()
+    if min(args.draft_lengths) < 1:
+        parser.error("--draft-lengths must all be >= 1")
+
+    target, tokenizer, _ = load_model(args.target, dtype=args.dtype)
+    stored, _, _ = load_model(args.drafter, dtype=args.dtype)
+    quantization = resolve_quantization(args.drafter_quantization, target.device)
+    drafter = quantize_drafter(stored, quantization)
+    hf_drafter = drafter if args.hf_drafter == "same" else stored
+    # the same held-out prompts as the pipeline's evaluate stage (seed 0)
+    _, held_out = split_prompts(load_prompts(args.source), num_train=0, num_eval=args.num_prompts, seed=0)
+    prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in held_out]
+    eos = eos_token_ids(target, tokenizer)
+    common = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+    alone = run_target_alone(target, prompts, engine="hf", **common)
+
+    rows = {}
+    for schedule in args.schedules:
+        for k in ([max(args.draft_lengths)] if schedule == "auto" else args.draft_lengths):
+            rows[(k, schedule)] = benchmark(
+                target, drafter, prompts, draft_length=k, schedule=schedule,
+                max_draft_length=k if schedule == "auto" else None, confidence_threshold=args.confidence_threshold,
+                hf_assisted=not args.no_hf_assisted, hf_drafter=hf_drafter, target_outputs=alone, **common)
+    defaults = hf_assisted_defaults(target, stored, prompts, **common) if args.hf_defaults else None
+    first = next(iter(rows.values()))
+    hf_label = "the same drafter module" if args.hf_drafter == "same" else f"the stored {args.dtype} drafter"
+    lines = [f"Target `{args.target}`, drafter `{args.drafter}`, {args.dtype}; our decoder runs the drafter as "
+             f"{quantization}, HF assisted generation gets {hf_label}. {len(prompts)} prompts x "
+             f"{args.max_new_tokens} tokens, greedy, confidence threshold {args.confidence_threshold}; "
+             f"target alone (transformers generate) {first['target_tokens_per_s']:.2f} tokens/s.", "",
+             COLUMNS, "|" + "---|" * (COLUMNS.count("|") - 1)]
+    lines += [_row(k, s, r) for (k, s), r in rows.items()]
+    auto = [r for (_, s), r in rows.items() if s == "auto"]
+    if auto:
+        choice = auto[0]["auto_draft_length"]
+        lines += ["", f"auto: K = {choice['best_draft_length']} (calibrated at K = {choice['calibration_draft_length']}"
+                  f"); the article's rule of thumb K = accuracy x 5 gives {choice['rule_of_thumb']}."]
+    if defaults:
+        lines += ["", f"transformers assisted generation with its defaults ({defaults['settings']}) and the stored "
+                  f"drafter: {defaults['tokens_per_s']:.2f} tokens/s, "
+                  f"{defaults['tokens_per_s'] / first['target_tokens_per_s']:.2f}x the target alone."]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.out / "benchmark.json", {"args": {k: str(v) for k, v in vars(args).items()},
+                                                    "drafter_quantization": quantization, "hf_defaults": defaults,
+                                                    "results": {f"{s}/K={k}": r for (k, s), r in rows.items()}})
+    write_text_atomic(args.out / "benchmark.md", table)
+    _plot(rows, args.out / "speedup_vs_k.png")
+    print(json.dumps({"written": str(args.out / "benchmark.json"), "plot": str(args.out / "speedup_vs_k.png")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Adaptive draft lengths, confidence stopping, stop strings and the benchmark's baselines, on tiny models."""
+
+import pytest
+import torch
+
+from decode.benchmark import benchmark, measure_verify_costs, run_target_alone
+from decode.speculative import speculative_generate, target_generate
+from decode.stopping import StopStrings
+from distill.tiny import tiny_tokenizer
+from tests.test_speculative import PROMPTS, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BYTES = 259  # the tiny byte tokenizer's vocabulary, so every token decodes
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(2, seed=0, vocab_size=BYTES)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return tiny_model(1, seed=1, vocab_size=BYTES)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def reference(target, prompt, n=40, **kwargs):
+    return target_generate(target, torch.tensor([prompt]), max_new_tokens=n, eos_token_ids=[], **kwargs)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.9])
+def test_adaptive_drafting_keeps_greedy_output(target, drafter, schedule, threshold):
+    for prompt in PROMPTS:
+        expected = reference(target, prompt).new_tokens
+        for draft in (drafter, target):
+            out = speculative_generate(target, draft, torch.tensor([prompt]), draft_length=2, max_new_tokens=40,
+                                       eos_token_ids=[], schedule=schedule, confidence_threshold=threshold)
+            assert torch.equal(out.new_tokens, expected)
+            assert sum(out.stats.accepted_per_block) + len(out.stats.accepted_per_block) >= out.stats.new_tokens
+
+
+def test_heuristic_schedule_grows_with_a_perfect_drafter(target):
+    out = speculative_generate(target, target, torch.tensor([PROMPTS[0]]), draft_length=2, max_new_tokens=60,
+                               eos_token_ids=[], schedule="heuristic")
+    assert out.stats.drafted_per_block[:3] == [2, 4, 6]  # +2 after each fully accepted block
+    assert len(out.stats.per_position_acceptance) == max(out.stats.drafted_per_block)
+    capped = speculative_generate(target, target, torch.tensor([PROMPTS[0]]), draft_length=2, max_new_tokens=60,
+                                  eos_token_ids=[], schedule="heuristic", max_draft_length=5)
+    assert max(capped.stats.drafted_per_block) == 5
+
+
+def test_confidence_threshold_shortens_blocks(target, drafter):
+    kwargs = dict(draft_length=6, max_new_tokens=40, eos_token_ids=[])
+    free = speculative_generate(target, drafter, torch.tensor([PROMPTS[2]]), **kwargs)
+    strict = speculative_generate(target, drafter, torch.tensor([PROMPTS[2]]), **kwargs, confidence_threshold=0.99)
+    assert strict.stats.draft_forwards < free.stats.draft_forwards
+    assert min(strict.stats.drafted_per_block[:-1]) >= 1  # the low-confidence token is still proposed (the last block may be cut by max_new_tokens)
+    assert torch.equal(strict.new_tokens, free.new_tokens)
+
+
+def test_confidence_threshold_with_sampling_is_seeded(target, drafter):
+    def run():
+        return speculative_generate(target, drafter, torch.tensor([PROMPTS[0]]), draft_length=4, max_new_tokens=30,
+                                    eos_token_ids=[], temperature=0.8, confidence_threshold=0.5,
+                                    generator=torch.Generator().manual_seed(3)).new_tokens
+    assert torch.equal(run(), run())
+
+
+def ascii_stop(tokens: list[int], start: int) -> str:
+    """Two consecutive printable-ASCII tokens of the (random-byte) output from ``start`` on, as text.
+
+    ASCII bytes decode to themselves wherever they sit; random non-ASCII bytes decode to U+FFFD.
+    """
+    printable = [i for i in range(start, len(tokens) - 1) if all(32 <= t < 127 for t in tokens[i:i + 2])]
+    i = printable[0] if printable else next(i for i in range(start, len(tokens)) if 32 <= tokens[i] < 127)
+    return bytes(tokens[i:i + 2] if printable else tokens[i:i + 1]).decode()
+
+
+def test_stop_strings_match_token_by_token_decoding(target, drafter, tokenizer):
+    """The stop lands where the target decoding alone stops; nothing after the completing token."""
+    for prompt in PROMPTS:
+        full = reference(target, prompt).new_tokens.tolist()
+        stop = ascii_stop(full, 5)  # a piece of what the target writes, spanning two tokens
+        first = next(i for i in range(len(full)) if stop in tokenizer.decode(full[: i + 1]))
+        alone = reference(target, prompt, stop_strings=[stop], tokenizer=tokenizer).new_tokens.tolist()
+        assert alone == full[: first + 1]
+        for k in (1, 3, 5):
+            out = speculative_generate(target, drafter, torch.tensor([prompt]), draft_length=k, max_new_tokens=40,
+                                       eos_token_ids=[], stop_strings=[stop, "never appears \x00"],
+                                       tokenizer=tokenizer)
+            assert out.new_tokens.tolist() == alone
+            assert tokenizer.decode(out.new_tokens.tolist()).endswith(stop)
+
+
+def test_stop_strings_need_a_tokenizer(target, drafter):
+    with pytest.raises(ValueError, match="tokenizer"):
+        speculative_generate(target, drafter, torch.tensor([PROMPTS[0]]), draft_length=2, max_new_tokens=4,
+                             eos_token_ids=[], stop_strings=["x"])
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStrings([""], tiny_tokenizer())
+
+
+def test_stop_string_window_finds_late_stops(tokenizer):
+    tokens = list(("a" * 200 + "STOP here").encode())
+    assert StopStrings(["STOP"], tokenizer).first_stop(tokens, 0) == 203
+    assert StopStrings(["STOP"], tokenizer).first_stop(tokens[:203], 0) is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(confidence_threshold=1.0), dict(confidence_threshold=-0.1),
+                                    dict(schedule="fast"), dict(schedule="heuristic", max_draft_length=1)])
+def test_bad_drafting_arguments_raise(target, drafter, kwargs):
+    with pytest.raises(ValueError):
+        speculative_generate(target, drafter, torch.tensor([PROMPTS[0]]), draft_length=2, max_new_tokens=4,
+                             eos_token_ids=[], **kwargs)
+
+
+# --- benchmark ------------------------------------------------------------------------------------------
+
+def test_hf_engine_target_alone_equals_our_loop(target, tokenizer):
+    prompts = [("a", "code", PROMPTS[0]), ("b", "chat", PROMPTS[2])]
+    hf = run_target_alone(target, prompts, max_new_tokens=20, eos_token_ids=[], engine="hf", progress=False)
+    loop = run_target_alone(target, prompts, max_new_tokens=20, eos_token_ids=[], engine="loop", progress=False)
+    for a, b in zip(hf, loop):
+        assert torch.equal(a.new_tokens, b.new_tokens)
+        assert a.stats.new_tokens == 20 and a.stats.decode_s > 0 and a.stats.prefill_s > 0
+    with pytest.raises(ValueError, match="engine"):
+        run_target_alone(target, prompts, max_new_tokens=2, eos_token_ids=[], engine="vllm")
+
+
+def test_benchmark_reports_choice_of_k_and_cost_model(target, drafter):
+    prompts = [("a", "code", PROMPTS[0]), ("b", "chat", PROMPTS[1])]
+    result = benchmark(target, drafter, prompts, draft_length=3, max_new_tokens=16, eos_token_ids=[], progress=False)
+    assert result["outputs_match_target"] is True
+    assert result["baselines"]["target"]["engine"] == "transformers generate"
+    assert result["baselines"]["hf_assisted"]["outputs_match_target"] is True
+    assert result["baselines"]["hf_assisted"]["ours_over_hf"] > 0
+    choice = result["draft_length_choice"]
+    assert 1 <= choice["best_draft_length"] <= 8 and choice["rule_of_thumb"] >= 2
+    assert result["verify_costs"][0] == 1.0 and len(result["verify_costs"]) == 9
+    assert result["measured_over_theoretical"] == pytest.approx(result["speedup"] / result["theoretical_speedup"])
+    assert result["cost_model_speedup"] > 0 and result["per_category"]["chat"]["draft_length_choice"]
+
+
+def test_benchmark_heuristic_and_auto_schedules(target, drafter, tokenizer):
+    prompts = [("a", "code", PROMPTS[0]), ("b", "chat", PROMPTS[2])]
+    heuristic = benchmark(target, target, prompts, draft_length=2, max_new_tokens=30, eos_token_ids=[],
+                          schedule="heuristic", progress=False)
+    assert heuristic["outputs_match_target"] is True and heuristic["mean_draft_length"] > 2
+    assert heuristic["baselines"]["hf_assisted"]["outputs_match_target"] is True
+    auto = benchmark(target, drafter, prompts, draft_length=2, max_new_tokens=16, eos_token_ids=[],
+                     schedule="auto", max_draft_length=4, progress=False)
+    assert auto["schedule"]["name"] == "auto"
+    assert auto["draft_length"] == auto["auto_draft_length"]["best_draft_length"]
+    assert auto["auto_draft_length"]["calibration_draft_length"] == 4
+    assert auto["outputs_match_target"] is True
+
+
+def test_benchmark_stop_strings_across_decoders(target, drafter, tokenizer):
+    full = reference(target, PROMPTS[0], 30).new_tokens.tolist()
+    stop = ascii_stop(full, 3)
+    result = benchmark(target, drafter, [("a", "code", PROMPTS[0])], draft_length=3, max_new_tokens=30,
+                       eos_token_ids=[], stop_strings=[stop], tokenizer=tokenizer, progress=False)
+    assert result["outputs_match_target"] is True
+    assert result["new_tokens"] < 30
+    assert result["baselines"]["hf_assisted"]["new_tokens"] == result["new_tokens"]
+
+
+def test_measure_verify_costs(target):
+    costs = measure_verify_costs(target, [PROMPTS[0]], 4, repeats=2)
+    assert len(costs) == 4 and costs[0] == 1.0 and all(c > 0 for c in costs)
+
+
+# --- drafter quantization ------------------------------------------------------------------------------
+
+def test_int8_drafter_keeps_output_and_leaves_the_original(target, drafter):
+    from decode.quantization import quantize_drafter, resolve_quantization
+
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    quantized = quantize_drafter(drafter, "auto")
+    assert resolve_quantization("auto", torch.device("cpu")) == "int8-dynamic"
+    assert quantized is not drafter and any("quantized" in type(m).__module__ for m in quantized.modules())
+    assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in before.items())
+    assert quantize_drafter(drafter, "none") is drafter
+    for prompt in PROMPTS:
+        out = speculative_generate(target, quantized, torch.tensor([prompt]), draft_length=3, max_new_tokens=30,
+                                   eos_token_ids=[])
+        assert torch.equal(out.new_tokens, reference(target, prompt, 30).new_tokens)
+    # int8 drafts stay close to the fp32 drafter's: most greedy drafts agree
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        agree = (quantized(ids).logits.argmax(-1) == drafter(ids).logits.argmax(-1)).float().mean().item()
+    assert agree > 0.8
+    with pytest.raises(ValueError, match="drafter quantization"):
+        quantize_drafter(drafter, "int4")
