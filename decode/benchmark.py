@@ -215,6 +215,12 @@ def hf_assisted_defaults(target, drafter, prompts: list[tuple[str, str, list[int
             "settings": "transformers defaults: num_assistant_tokens=20, constant, assistant_confidence_threshold=0.4"}
 
 
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Index of the first position where token sequences ``a`` and ``b`` differ (a length difference counts); None if equal."""
+    a, b = a.tolist(), b.tolist()
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greedy: bool,
              verify_costs: Sequence[float] | None = None, target_engine: str = "hf") -> dict:
     target = DecodeStats.merge([r.target.stats for r in runs])
@@ -241,6 +247,9 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
         "measured_over_theoretical": speedup / theory if theory else 0.0,
         "outputs_match_target": (all(torch.equal(r.speculative.new_tokens, r.target.new_tokens) for r in runs)
                                  if greedy else None),
+        # greedy: share of the target's tokens reproduced before the first divergence (1.0 = identical)
+        "identical_token_fraction": (sum(_prefix(r) for r in runs) / max(1, sum(len(r.target.new_tokens) for r in runs))
+                                     if greedy else None),
         "baselines": {
             "target": {"engine": "transformers generate" if target_engine == "hf" else "draftsmith loop",
                        "tokens_per_s": target.tokens_per_s, "new_tokens": target.new_tokens,
@@ -271,6 +280,11 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
                                      if greedy else None),
         }
     return figures
+
+
+def _prefix(run: _PromptRun) -> int:
+    divergence = first_divergence(run.speculative.new_tokens, run.target.new_tokens)
+    return len(run.target.new_tokens) if divergence is None else divergence
 
 
 def run_target_alone(target, prompts: list[tuple[str, str, list[int]]], *, max_new_tokens: int,
@@ -498,6 +512,7 @@ def benchmark(
             "target_tokens_per_s": r.target.stats.tokens_per_s,
             "speculative_tokens_per_s": r.speculative.stats.tokens_per_s,
             "outputs_match_target": torch.equal(r.speculative.new_tokens, r.target.new_tokens) if greedy else None,
+            "first_divergence": first_divergence(r.speculative.new_tokens, r.target.new_tokens) if greedy else None,
         }
         for r in runs
     ]

@@ -20,6 +20,7 @@ _ROWS = [  # (label, key, format)
     ("cost-model speedup (tau, c, measured (K+1)-token verify cost)", "cost_model_speedup", "{:.2f}x"),
     ("mean draft length per block", "mean_draft_length", "{:.2f}"),
     ("greedy output identical to target", "outputs_match_target", "{}"),
+    ("share of target tokens reproduced before any divergence", "identical_token_fraction", "{:.3f}"),
 ]
 
 

@@ -25,7 +25,7 @@ from distill.prompts import encode_prompt, load_prompts, split_prompts
 from distill.rundir import write_json_atomic, write_text_atomic
 
 COLUMNS = ("| K | schedule | acceptance | tau | mean K | ours tok/s | HF assisted tok/s | ours / HF | speedup | "
-           "HF speedup | c | theoretical | measured / theoretical | identical |")
+           "HF speedup | c | theoretical | measured / theoretical | identical (share of tokens before divergence) |")
 
 
 def _row(k, schedule, r) -> str:
@@ -35,7 +35,8 @@ def _row(k, schedule, r) -> str:
             f"{r['mean_accepted_tokens']:.2f} | {r['mean_draft_length']:.2f} | {r['speculative_tokens_per_s']:.2f} | "
             f"{fmt(hf.get('tokens_per_s'), '{:.2f}')} | {fmt(hf.get('ours_over_hf'), '{:.2f}x')} | "
             f"{r['speedup']:.2f}x | {fmt(hf.get('speedup'), '{:.2f}x')} | {r['cost_ratio']:.3f} | "
-            f"{r['theoretical_speedup']:.2f}x | {r['measured_over_theoretical']:.2f} | {r['outputs_match_target']} |")
+            f"{r['theoretical_speedup']:.2f}x | {r['measured_over_theoretical']:.2f} | {r['outputs_match_target']} "
+            f"({fmt(r.get('identical_token_fraction'), '{:.3f}')}) |")
 
 
 def _plot(rows: dict, path: Path) -> None:
@@ -69,6 +70,35 @@ def _plot(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _batched(target, drafter, prompts, args, eos) -> dict:
+    """Throughput of ``speculative_generate_batch`` over all prompts at batch size B and at 1, same K."""
+    import time
+
+    import torch
+
+    from decode.batched import speculative_generate_batch
+    from decode.metrics import DecodeStats
+
+    k = args.draft_lengths[0]
+
+    def run(batch_size: int):
+        outputs, seconds = [], 0.0
+        for i in range(0, len(prompts), batch_size):
+            chunk = [ids for _, _, ids in prompts[i:i + batch_size]]
+            start = time.perf_counter()
+            outputs += speculative_generate_batch(target, drafter, chunk, draft_length=k, pad_token_id=eos[0],
+                                                  max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+            seconds += time.perf_counter() - start  # prefill included, as a serving system sees it
+        pooled = DecodeStats.merge([o.stats for o in outputs])
+        return outputs, pooled.new_tokens / seconds, pooled.mean_accepted_tokens
+
+    one, one_tps, one_tau = run(1)
+    many, many_tps, many_tau = run(args.batch_size)
+    return {"batch_size": args.batch_size, "draft_length": k, "tokens_per_s": many_tps,
+            "mean_accepted_tokens": many_tau, "batch1_tokens_per_s": one_tps, "batch1_mean_accepted_tokens": one_tau,
+            "outputs_match_batch1": all(torch.equal(a.new_tokens, b.new_tokens) for a, b in zip(one, many))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -83,6 +113,9 @@ def main() -> None:
                         help="how our decoder runs the drafter (auto = int8-dynamic on CPU)")
     parser.add_argument("--hf-drafter", default="same", choices=("same", "stored"),
                         help="HF assisted gets the same (possibly quantized) drafter module, or the stored one")
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="also run the batched decoder (decode.batched) at this batch size and K = the first "
+                             "--draft-lengths value, and report its throughput against batch size 1")
     parser.add_argument("--hf-defaults", action="store_true",
                         help="also time generate(assistant_model=drafter) with transformers' default settings")
     parser.add_argument("--no-hf-assisted", action="store_true", help="skip transformers' assisted generation")
@@ -114,6 +147,7 @@ def main() -> None:
                 max_draft_length=k if schedule == "auto" else None, confidence_threshold=args.confidence_threshold,
                 hf_assisted=not args.no_hf_assisted, hf_drafter=hf_drafter, target_outputs=alone, **common)
     defaults = hf_assisted_defaults(target, stored, prompts, **common) if args.hf_defaults else None
+    batched = _batched(target, drafter, prompts, args, eos) if args.batch_size > 1 else None
     first = next(iter(rows.values()))
     hf_label = "the same drafter module" if args.hf_drafter == "same" else f"the stored {args.dtype} drafter"
     lines = [f"Target `{args.target}`, drafter `{args.drafter}`, {args.dtype}; our decoder runs the drafter as "
@@ -127,6 +161,12 @@ def main() -> None:
         choice = auto[0]["auto_draft_length"]
         lines += ["", f"auto: K = {choice['best_draft_length']} (calibrated at K = {choice['calibration_draft_length']}"
                   f"); the article's rule of thumb K = accuracy x 5 gives {choice['rule_of_thumb']}."]
+    if batched:
+        lines += ["", f"batched decoder, batch {batched['batch_size']}, K = {batched['draft_length']}: "
+                  f"{batched['tokens_per_s']:.2f} tokens/s over all rows, prefill included (batch 1: "
+                  f"{batched['batch1_tokens_per_s']:.2f}), "
+                  f"tau {batched['mean_accepted_tokens']:.2f} (batch 1: {batched['batch1_mean_accepted_tokens']:.2f}), "
+                  f"identical to batch 1 output: {batched['outputs_match_batch1']}."]
     if defaults:
         lines += ["", f"transformers assisted generation with its defaults ({defaults['settings']}) and the stored "
                   f"drafter: {defaults['tokens_per_s']:.2f} tokens/s, "
@@ -136,6 +176,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out / "benchmark.json", {"args": {k: str(v) for k, v in vars(args).items()},
                                                     "drafter_quantization": quantization, "hf_defaults": defaults,
+                                                    "batched": batched,
                                                     "results": {f"{s}/K={k}": r for (k, s), r in rows.items()}})
     write_text_atomic(args.out / "benchmark.md", table)
     _plot(rows, args.out / "speedup_vs_k.png")

@@ -129,6 +129,12 @@ def test_appended_unknown_key_is_refused():
 
 @pytest.mark.parametrize("override, key", [
     ("distill.lora_alpha=0", "distill.lora_alpha"),
+    ("decode.schedule=adaptive", "decode.schedule"),
+    ("decode.max_draft_length=2", "decode.max_draft_length"),
+    ("decode.confidence_threshold=1.0", "decode.confidence_threshold"),
+    ("decode.drafter_quantization=int4", "decode.drafter_quantization"),
+    ("evaluate.target_engine=vllm", "evaluate.target_engine"),
+    ("decode.stop_strings=['']", "decode.stop_strings"),
 ])
 def test_more_ranges(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
