@@ -32,12 +32,14 @@ stages:
   evaluate   speculative decoding before/after distillation -> report.json, report.md
   export     the tuned drafter in Hugging Face format with a model card
   pipeline   all four in order in one run folder; prints the report path last
+  check      pre-flight: tokenizers, drafter accuracy, acceptance, cost ratio c, recommended K (no training)
 
 examples:
   draftsmith pipeline experiment=tiny
   draftsmith pipeline experiment=quick distill.lr=3e-4
   draftsmith distill inputs.generate=outputs/generate/<run> distill.loss=jsd
   draftsmith pipeline --cfg job
+  draftsmith check drafter.init=layers drafter.num_layers=4
 """
 
 
@@ -62,6 +64,11 @@ def run_stage(cfg: DictConfig, run_dir: Path) -> float | None:
         report = run_evaluate(config, run_dir, config_yaml)
         print(report)
         return _speedup(report)
+    if config.stage == "check":
+        from distill.check import run_check
+
+        print(run_check(config, run_dir, config_yaml))
+        return None
     if config.stage == "export":
         from distill.export import run_export
 

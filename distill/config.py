@@ -17,7 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from distill.errors import ConfigError
 
-STAGES = ("generate", "distill", "evaluate", "export", "pipeline")
+STAGES = ("generate", "distill", "evaluate", "export", "pipeline", "check")
 DTYPES = ("float32", "bfloat16", "float16")
 LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
 
@@ -191,6 +191,25 @@ class EvaluateConfig:
 
 
 @dataclass
+class CheckConfig:
+    """``draftsmith check``: pre-flight measurements of a target/drafter pair, no training."""
+
+    num_prompts: int = 4  # held-out prompts of data.* measured
+    draft_length: int = 5  # K of the top-1 agreement and acceptance measurements
+    max_new_tokens: int = 48  # tokens decoded per prompt for the acceptance measurement
+    accuracy_threshold: float = 0.7  # the source article's bar for top-1 agreement
+    max_draft_length: int = 8  # largest K considered for the recommendation
+
+    def __post_init__(self) -> None:
+        _check(self.num_prompts >= 1, "check.num_prompts", "must be >= 1")
+        _check(self.draft_length >= 1, "check.draft_length", "must be >= 1")
+        _check(self.max_new_tokens > self.draft_length, "check.max_new_tokens",
+               f"must be > check.draft_length ({self.draft_length})")
+        _check(0 < self.accuracy_threshold <= 1, "check.accuracy_threshold", "must be in (0, 1]")
+        _check(self.max_draft_length >= 1, "check.max_draft_length", "must be >= 1")
+
+
+@dataclass
 class ExportConfig:
     """Stage 4: write the tuned drafter for other tools."""
 
@@ -239,6 +258,7 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     inputs: InputsConfig = field(default_factory=InputsConfig)
     experiment: Optional[str] = None  # name of the chosen experiment, for the record
