@@ -117,7 +117,10 @@ class DistillConfig:
     max_seq_len: int = 512
     mixed_precision: str = "bf16"  # no | bf16 | fp16: autocast for the drafter's forward (weights stay fp32)
     val_fraction: float = 0.1  # share of generated examples held out for the validation metric
-    checkpoint_every: int = 0  # 0 = only at the end
+    checkpoint_every: int = 10  # optimizer steps between checkpoints (0 = only at the end)
+    # auto: continue the newest unfinished run of the same data and settings from its last checkpoint
+    # (run the same command again after a crash); never: start fresh; or a checkpoint-<step> folder
+    resume: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from distill.drafters import LoraSettings, build_drafter, merge_drafter
 from distill.errors import ConfigError, DraftsmithError, TokenizerMismatchError
 from distill.generate import load_generated
 from distill.models import ResolvedModel, load_model, tokenizers_compatible
+from distill.resume import hold_lock, prepare_resume, resume_key
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
 from distill.tracking import make_logger, run_name
 from distill.train import train_drafter
@@ -96,6 +97,9 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     num_val = int(len(examples) * d.val_fraction) if len(examples) > 1 else 0
     val_examples, train_examples = examples[:num_val], examples[num_val:]
 
+    key = resume_key(cfg, gen_manifest.get("shard_cache") or str(gen_dir), target_res.fingerprint)
+    lock = hold_lock(run_dir)  # released at exit, also when the process is killed
+    resume_from, resumed = prepare_resume(cfg, run_dir, key)
     logger = make_logger(cfg.logger, run_name("distill", run_dir), run_dir, config=dataclasses.asdict(cfg))
     try:
         metrics = train_drafter(
@@ -104,7 +108,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             batch_size=d.batch_size, grad_accum=d.grad_accum, max_seq_len=d.max_seq_len,
             warmup_steps=d.warmup_steps, weight_decay=d.weight_decay, seed=d.seed,
             output_dir=run_dir / "checkpoints", checkpoint_every=d.checkpoint_every, logger=logger,
-            mixed_precision=d.mixed_precision)
+            mixed_precision=d.mixed_precision, resume_from=resume_from)
         logger.summary(metrics)
     finally:
         logger.finish()
@@ -116,5 +120,6 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         merged.save_pretrained(tmp)
         drafter_tok.save_pretrained(tmp)
         write_json_atomic(tmp / DRAFTER_INFO, info)
+    lock.close()
     return run.complete(drafter=info, num_train_examples=len(train_examples), num_val_examples=len(val_examples),
-                        model_load_s=round(load_s, 2), train=metrics)
+                        model_load_s=round(load_s, 2), train=metrics, **resumed)

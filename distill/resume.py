@@ -1,0 +1,123 @@
+"""Resume a killed distill run by running the same command again.
+
+Every distill run writes ``resume_key.json`` before training: a hash of what
+decides the training trajectory (the generated data, the target, the drafter
+and the distill settings except ``max_steps``, ``checkpoint_every`` and
+``resume``). With ``distill.resume=auto`` a new run looks under ``outputs``
+for the newest *unfinished* distill run (no ``COMPLETE``) with the same key
+and a complete ``checkpoint-<step>``, takes over its ``checkpoints/`` folder
+(moved, not copied: the old run is dead) and continues from the last
+checkpoint with the same optimizer state and data order
+(``distill.train.train_drafter(resume_from=...)``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from distill.config import Config
+from distill.errors import ConfigError
+from distill.rundir import COMPLETE, write_json_atomic
+from distill.train import STATE_FILE
+
+RESUME_KEY = "resume_key.json"
+LOCK = ".distill.lock"  # held while a run trains: a live run's checkpoints are never taken over
+CHECKPOINTS = "checkpoints"
+_NOT_IN_KEY = ("max_steps", "checkpoint_every", "resume")
+
+
+def resume_key(cfg: Config, data_identity: str, target_fingerprint: str) -> str:
+    """Hash of everything that decides the training trajectory (see the module docstring)."""
+    distill = {k: v for k, v in asdict(cfg.distill).items() if k not in _NOT_IN_KEY}
+    blob = json.dumps({"data": data_identity, "target": target_fingerprint, "drafter": asdict(cfg.drafter),
+                       "distill": distill}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def latest_checkpoint(checkpoints: Path) -> Path | None:
+    """The ``checkpoint-<step>`` folder with the highest step that holds its state file, or None."""
+    found = []
+    for path in Path(checkpoints).glob("checkpoint-*"):
+        step = path.name.split("-", 1)[1]
+        if step.isdigit() and (path / STATE_FILE).is_file():
+            found.append((int(step), path))
+    return max(found)[1] if found else None
+
+
+def hold_lock(run_dir: Path):
+    """Lock ``run_dir`` as training (an open file with an exclusive flock; released when the process dies)."""
+    handle = open(Path(run_dir) / LOCK, "w")
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return handle
+
+
+def _in_use(run_dir: Path) -> bool:
+    try:
+        with open(run_dir / LOCK, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def find_resumable(outputs: Path, key: str, exclude: Path) -> tuple[Path, Path] | None:
+    """The newest unfinished distill run under ``outputs`` with ``key`` and a checkpoint: ``(run dir, checkpoint)``."""
+    candidates = []
+    for marker in Path(outputs).glob(f"**/{RESUME_KEY}"):
+        run = marker.parent
+        if run.resolve() == Path(exclude).resolve() or (run / COMPLETE).exists() or _in_use(run):
+            continue
+        try:
+            if json.loads(marker.read_text())["key"] != key:
+                continue
+        except (OSError, ValueError, KeyError):
+            continue
+        checkpoint = latest_checkpoint(run / CHECKPOINTS)
+        if checkpoint is not None:
+            candidates.append((marker.stat().st_mtime, run, checkpoint))
+    if not candidates:
+        return None
+    _, run, checkpoint = max(candidates)
+    return run, checkpoint
+
+
+def prepare_resume(cfg: Config, run_dir: Path, key: str) -> tuple[Path | None, dict]:
+    """Record ``key`` in ``run_dir`` and pick the checkpoint to resume from, per ``distill.resume``.
+
+    Returns:
+        ``(checkpoint or None, facts for the manifest)``. With ``auto`` a found run's
+        ``checkpoints/`` folder is moved into ``run_dir``.
+
+    Raises:
+        ConfigError: ``distill.resume`` names a folder that is not a complete checkpoint.
+    """
+    run_dir = Path(run_dir)
+    write_json_atomic(run_dir / RESUME_KEY, {"key": key})  # the caller holds hold_lock(run_dir) while training
+    mode = cfg.distill.resume
+    if mode == "never":
+        return None, {}
+    if mode != "auto":
+        path = Path(mode)
+        checkpoint = path if (path / STATE_FILE).is_file() else latest_checkpoint(path / CHECKPOINTS)
+        if checkpoint is None:
+            raise ConfigError(f"distill.resume={mode}: not a checkpoint-<step> folder nor a distill run with "
+                              f"checkpoints; use auto, never, or a folder holding {STATE_FILE}")
+        return checkpoint, {"resumed_from": str(checkpoint)}
+    found = find_resumable(Path(cfg.outputs), key, run_dir)
+    if found is None:
+        return None, {}
+    old_run, checkpoint = found
+    target = run_dir / CHECKPOINTS
+    if target.exists() and not any(target.iterdir()):
+        target.rmdir()
+    os.replace(old_run / CHECKPOINTS, target)  # same file system: a rename
+    print(f"distill: resuming {old_run} from {checkpoint.name} (its checkpoints moved to {target})")
+    return target / checkpoint.name, {"resumed_from": str(checkpoint), "resumed_run": str(old_run)}

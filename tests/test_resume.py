@@ -1,0 +1,109 @@
+"""Resuming a killed distill run by running the same command again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distill.resume import RESUME_KEY, find_resumable, hold_lock, latest_checkpoint, resume_key
+from distill.rundir import COMPLETE
+from distill.train import STATE_FILE
+from tests.test_config import _compose
+from tests.test_pipeline import REPO, draftsmith
+
+
+def _fake_run(root: Path, name: str, key: str, steps=(5, 10), complete=False) -> Path:
+    run = root / name
+    run.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        (run / "checkpoints" / f"checkpoint-{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"checkpoint-{step}" / STATE_FILE).write_text("{}")
+    (run / RESUME_KEY).write_text(json.dumps({"key": key}))
+    if complete:
+        (run / COMPLETE).write_text("")
+    return run
+
+
+def test_resume_key_ignores_only_the_length_of_training():
+    base = _compose("experiment=tiny")
+    key = resume_key(base, "data-a", "fp")
+    assert key == resume_key(_compose("experiment=tiny", "distill.max_steps=99", "distill.checkpoint_every=3"),
+                             "data-a", "fp")
+    assert key != resume_key(_compose("experiment=tiny", "distill.lr=0.000123"), "data-a", "fp")
+    assert key != resume_key(base, "data-b", "fp")
+    assert key != resume_key(base, "data-a", "other-target")
+
+
+def test_find_resumable_picks_the_newest_unfinished_run_with_the_key(tmp_path):
+    _fake_run(tmp_path, "a", "k1")
+    time.sleep(0.01)
+    newest = _fake_run(tmp_path, "pipeline/b/distill", "k1", steps=(5, 15))
+    _fake_run(tmp_path, "c", "k1", complete=True)
+    _fake_run(tmp_path, "d", "k2")
+    _fake_run(tmp_path, "e", "k1", steps=())
+    run, checkpoint = find_resumable(tmp_path, "k1", exclude=tmp_path / "new")
+    assert run == newest and checkpoint.name == "checkpoint-15"
+    assert find_resumable(tmp_path, "k3", exclude=tmp_path / "new") is None
+    lock = hold_lock(newest)  # a live run is never taken over
+    try:
+        assert find_resumable(tmp_path, "k1", exclude=tmp_path / "new")[0] == tmp_path / "a"
+    finally:
+        lock.close()
+
+
+def test_latest_checkpoint_needs_the_state_file(tmp_path):
+    _fake_run(tmp_path, "r", "k", steps=(5, 20))
+    (tmp_path / "r" / "checkpoints" / "checkpoint-30").mkdir()  # half-written: no state file
+    assert latest_checkpoint(tmp_path / "r" / "checkpoints").name == "checkpoint-20"
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def _losses(run: Path) -> list[float]:
+    lines = (run / "checkpoints" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    return [r["loss"] for r in rows]
+
+
+@pytest.mark.slow
+def test_killed_distill_resumes_with_the_same_command(tmp_path):
+    """SIGKILL a real distill process after a checkpoint; the same command finishes the run with the
+    loss curve of an uninterrupted one."""
+    out = tmp_path / "outputs"
+    proc = draftsmith("generate", "experiment=tiny", f"outputs={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    gen = next(out.glob("generate/*"))
+    args = ["distill", "experiment=tiny", f"inputs.generate={gen}", "distill.max_steps=150",
+            "distill.checkpoint_every=20", "logger=none"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    killed = subprocess.Popen([sys.executable, "-m", "distill.cli", *args, f"outputs={out}"], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(out.glob("distill/*/checkpoints/checkpoint-40/" + STATE_FILE)):
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    [dead] = list(out.glob("distill/*"))
+    assert not (dead / COMPLETE).exists() and latest_checkpoint(dead / "checkpoints") is not None
+
+    resumed = draftsmith(*args, f"outputs={out}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming" in resumed.stdout
+    [new] = [p for p in out.glob("distill/*") if p != dead]
+    manifest = json.loads((new / "manifest.json").read_text())
+    assert manifest["resumed_run"] == str(dead)
+    step = int(Path(manifest["resumed_from"]).name.split("-")[1])
+    assert 40 <= step < 150
+
+    fresh = draftsmith(*args, "distill.resume=never", f"outputs={tmp_path / 'fresh'}", cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    [uninterrupted] = list((tmp_path / "fresh").glob("distill/*"))
+    assert _losses(new) == pytest.approx(_losses(uninterrupted), rel=1e-4, abs=1e-6)
+    assert len(_losses(new)) == 150
