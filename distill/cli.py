@@ -33,6 +33,7 @@ stages:
   export     the tuned drafter in Hugging Face format with a model card
   pipeline   all four in order in one run folder; prints the report path last
   check      pre-flight: tokenizers, drafter accuracy, acceptance, cost ratio c, recommended K (no training)
+  gather     one table (Markdown, CSV) and plots for a -m sweep (inputs.sweep=<folder>, default the newest)
 
 examples:
   draftsmith pipeline experiment=tiny
@@ -64,6 +65,11 @@ def run_stage(cfg: DictConfig, run_dir: Path) -> float | None:
         report = run_evaluate(config, run_dir, config_yaml)
         print(report)
         return _speedup(report)
+    if config.stage == "gather":
+        from distill.gather import run_gather
+
+        print(run_gather(config, run_dir, config_yaml))
+        return None
     if config.stage == "check":
         from distill.check import run_check
 

@@ -9,6 +9,7 @@ naming the key to change.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,7 +18,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from distill.errors import ConfigError
 
-STAGES = ("generate", "distill", "evaluate", "export", "pipeline", "check")
+STAGES = ("generate", "distill", "evaluate", "export", "pipeline", "check", "gather")
 DTYPES = ("float32", "bfloat16", "float16")
 LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
 
@@ -245,6 +246,7 @@ class InputsConfig:
     generate: Optional[str] = None  # read by distill and evaluate
     distill: Optional[str] = None  # read by evaluate and export
     evaluate: Optional[str] = None  # read by export (figures for the model card)
+    sweep: Optional[str] = None  # read by gather: a multirun folder (empty = the newest under outputs/multirun)
 
 
 @dataclass
@@ -270,9 +272,18 @@ class Config:
         _check(self.stage in STAGES, "stage", f"must be one of {STAGES}, got {self.stage!r}")
 
 
+def _slug(text: str) -> str:
+    """A single folder name from override text: no "/", at most 120 characters."""
+    text = str(text).replace("/", "_").replace("\\", "_") or "default"
+    return text if len(text) <= 120 else text[:100] + "-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def register_configs() -> None:
-    """Register :class:`Config` as ``draftsmith_schema`` (first entry of conf/config.yaml's defaults)."""
+    """Register :class:`Config` as ``draftsmith_schema`` (first entry of conf/config.yaml's defaults)
+    and the ``slug`` resolver used by the sweep folder names."""
     ConfigStore.instance().store(name="draftsmith_schema", node=Config)
+    if not OmegaConf.has_resolver("slug"):
+        OmegaConf.register_new_resolver("slug", _slug)
 
 
 def _unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:

@@ -144,3 +144,13 @@ def test_more_ranges(override, key):
 def test_num_layers_without_layers_init_says_how_to_drop_it():
     with pytest.raises(ConfigError, match=r"drafter\.num_layers=null"):
         _compose("experiment=tiny", "drafter.init=sibling")
+
+
+def test_sweep_folder_names_are_single_folders():
+    from distill.config import _slug
+
+    assert _slug("data.path=/home/me/prompts.jsonl,decode.draft_length=2") == \
+        "data.path=_home_me_prompts.jsonl,decode.draft_length=2"
+    long = _slug("x=" + "a" * 500)
+    assert len(long) <= 120 and "/" not in long and long != _slug("x=" + "a" * 499)
+    assert _slug("") == "default"

@@ -1,0 +1,176 @@
+"""``draftsmith gather``: one table and plots for a Hydra multirun sweep.
+
+A sweep (``draftsmith pipeline -m distill.loss=fkl,jsd decode.draft_length=2,4``)
+writes one folder per job under ``outputs/multirun/<stage>/<time>/``, each
+with Hydra's ``.hydra/overrides.yaml`` and, once finished, a ``report.json``
+(``evaluate`` jobs) or ``evaluate/report.json`` (``pipeline`` jobs). This
+collects them into ``sweep.csv`` and ``sweep.md`` (one row per job, the swept
+values first) and, for each swept key, ``sweep_<key>.png`` with speedup and
+acceptance against its values. Jobs without a report are listed as unfinished.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distill.config import Config
+from distill.errors import DraftsmithError
+from distill.rundir import StageRun, write_text_atomic
+
+FIGURES = (  # (column, path in report.json)
+    ("acceptance_rate", ("acceptance_rate",)),
+    ("mean_accepted_tokens", ("mean_accepted_tokens",)),
+    ("speculative_tokens_per_s", ("speculative_tokens_per_s",)),
+    ("target_tokens_per_s", ("target_tokens_per_s",)),
+    ("speedup", ("speedup",)),
+    ("theoretical_speedup", ("theoretical_speedup",)),
+    ("hf_assisted_speedup", ("baselines", "hf_assisted", "speedup")),
+    ("baseline_acceptance_rate", ("baseline_drafter", "acceptance_rate")),
+    ("baseline_speedup", ("baseline_drafter", "speedup")),
+    ("outputs_match_target", ("outputs_match_target",)),
+)
+_NOT_SWEPT = ("stage", "outputs")
+
+
+def _dig(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def _value(text: str) -> Any:
+    """An override value as YAML reads it (numbers compare and sort as numbers)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def find_sweep(outputs: str | Path) -> Path:
+    """The newest sweep folder under ``outputs/multirun`` (the one holding job folders).
+
+    Raises:
+        DraftsmithError: there is none.
+    """
+    jobs = [p.parent.parent for p in Path(outputs, "multirun").glob("*/*/*/.hydra/overrides.yaml")]
+    if not jobs:
+        raise DraftsmithError(f"no sweep under {Path(outputs, 'multirun')}: run one with `draftsmith pipeline -m "
+                              f"key=a,b` or give inputs.sweep=<folder>")
+    return max({job.parent for job in jobs}, key=lambda p: p.stat().st_mtime)
+
+
+def collect(sweep: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows (overrides + figures + status) of every job in ``sweep``, and the keys whose values vary.
+
+    Raises:
+        DraftsmithError: ``sweep`` holds no job folder.
+    """
+    rows = []
+    for overrides_file in sorted(Path(sweep).glob("*/.hydra/overrides.yaml")):
+        job = overrides_file.parent.parent
+        overrides = {}
+        for item in yaml.safe_load(overrides_file.read_text()) or []:
+            key, _, value = str(item).lstrip("+~").partition("=")
+            if key not in _NOT_SWEPT:
+                overrides[key] = _value(value)
+        report_path = next((p for p in (job / "report.json", job / "evaluate" / "report.json") if p.is_file()), None)
+        row: dict[str, Any] = {"job": job.name, **overrides}
+        if report_path is None:
+            row["status"] = "unfinished"
+        else:
+            report = json.loads(report_path.read_text())
+            row["status"] = "finished"
+            row.update({name: _dig(report, path) for name, path in FIGURES})
+        rows.append(row)
+    if not rows:
+        raise DraftsmithError(f"{sweep} holds no sweep job (no */.hydra/overrides.yaml): give the folder that "
+                              f"`draftsmith <stage> -m ...` printed, e.g. outputs/multirun/pipeline/<time>")
+    keys = sorted({k for r in rows for k in r} - {"job", "status"} - {name for name, _ in FIGURES})
+    swept = [k for k in keys if len({json.dumps(r.get(k), sort_keys=True) for r in rows}) > 1]
+    return rows, swept
+
+
+def _columns(rows: list[dict[str, Any]], swept: list[str]) -> list[str]:
+    fixed = sorted({k for r in rows for k in r} - set(swept) - {"job", "status"} - {n for n, _ in FIGURES})
+    return ["job", *swept, "status", *(name for name, _ in FIGURES), *fixed]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return "-" if value is None else str(value)
+
+
+def render(rows: list[dict[str, Any]], swept: list[str], sweep: Path) -> tuple[str, str]:
+    """The sweep as (CSV text, Markdown text)."""
+    columns = _columns(rows, swept)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    shown = ["job", *swept, "status", "acceptance_rate", "mean_accepted_tokens", "speedup",
+             "baseline_speedup", "outputs_match_target"]
+    lines = [f"# Sweep {sweep}", "", f"{len(rows)} jobs; swept: {', '.join(swept) or 'nothing varies'}.", "",
+             "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in shown) + " |" for r in rows]
+    return buffer.getvalue(), "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], swept: list[str], folder: Path) -> list[Path]:
+    """``sweep_<key>.png`` per swept key: speedup and acceptance rate against its values, a line per
+    combination of the other swept values."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["status"] == "finished"]
+    written = []
+    for key in swept:
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+        groups: dict[str, list[dict]] = {}
+        for r in done:
+            label = ", ".join(f"{k}={r.get(k)}" for k in swept if k != key) or "all jobs"
+            groups.setdefault(label, []).append(r)
+        for label, members in groups.items():
+            members.sort(key=lambda r: (str(type(r.get(key))), r.get(key)))
+            xs = [str(r.get(key)) for r in members]
+            axes[0].plot(xs, [r.get("speedup") or 0.0 for r in members], marker="o", label=label)
+            axes[1].plot(xs, [r.get("acceptance_rate") or 0.0 for r in members], marker="o", label=label)
+        axes[0].set(xlabel=key, ylabel="speedup vs target alone")
+        axes[1].set(xlabel=key, ylabel="acceptance rate", ylim=(0, 1))
+        if len(groups) > 1:
+            axes[1].legend(fontsize=7)
+        fig.tight_layout()
+        written.append(folder / f"sweep_{key.replace('/', '_')}.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def run_gather(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
+    """Gather ``inputs.sweep`` (default: the newest sweep) into ``run_dir``; returns the path of ``sweep.md``.
+
+    Raises:
+        DraftsmithError: no sweep, or a folder that is not one.
+    """
+    sweep = Path(cfg.inputs.sweep) if cfg.inputs.sweep else find_sweep(cfg.outputs)
+    rows, swept = collect(sweep)
+    run = StageRun.start("gather", run_dir, config_yaml, inputs={"sweep": str(sweep)})
+    csv_text, markdown = render(rows, swept, sweep)
+    write_text_atomic(run_dir / "sweep.csv", csv_text)
+    plots = plot(rows, swept, run_dir)
+    markdown += "".join(f"\n![{p.stem}]({p.name})\n" for p in plots)
+    write_text_atomic(run_dir / "sweep.md", markdown)
+    print(markdown)
+    run.complete(sweep=str(sweep), jobs=len(rows), swept=swept,
+                 unfinished=sum(r["status"] != "finished" for r in rows))
+    return run_dir / "sweep.md"
