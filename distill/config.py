@@ -220,8 +220,12 @@ class ExportConfig:
     path: Optional[str] = None  # destination folder; default <run>/drafter-hf
     overwrite: bool = False  # replace an existing export folder
     dtype: str = "bfloat16"  # dtype of the saved weights
+    gguf: bool = False  # also write drafter.gguf (llama.cpp) into the export folder
+    gguf_dtype: str = "f16"  # f16 | bf16 | f32 for the GGUF's 2-D weights
 
     def __post_init__(self) -> None:
+        _check(self.gguf_dtype in ("f16", "bf16", "f32"), "export.gguf_dtype",
+               f"must be f16, bf16 or f32, got {self.gguf_dtype!r}")
         _check(self.dtype in DTYPES, "export.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
 
 

@@ -20,10 +20,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from distill.config import Config
 from distill.errors import DraftsmithError
 from distill.evaluate import REPORT_JSON
+from distill.gguf_export import export_gguf
 from distill.rundir import StageRun, atomic_dir, find_latest, read_manifest, require_complete, resolve_input, write_text_atomic
 from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO
 
 EXPORT_DIR = "drafter-hf"
+GGUF_FILE = "drafter.gguf"
 
 
 def _report_for(cfg: Config, distill_dir: Path) -> tuple[dict[str, Any] | None, Path | None]:
@@ -129,8 +131,17 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         with torch.inference_mode():
             if not torch.equal(reloaded(probe).logits, model(probe).logits):
                 raise DraftsmithError(f"the exported drafter in {tmp} does not reproduce the tuned one")
+        if cfg.export.gguf:
+            try:
+                gguf_file = export_gguf(model, tokenizer, tmp, tmp / GGUF_FILE, dtype=cfg.export.gguf_dtype,
+                                        name=f"draftsmith drafter for {info.get('target_name')}")
+            except ValueError as err:
+                raise DraftsmithError(f"GGUF export: {err}") from err
+            print(f"export: wrote {gguf_file.name} ({gguf_file.stat().st_size / 2**20:.0f} MiB, "
+                  f"{cfg.export.gguf_dtype})")
     if staging != dest:  # overwrite: swap in the finished folder only now
         shutil.rmtree(dest)
         staging.rename(dest)
-    run.complete(export=str(dest), format="huggingface", dtype=cfg.export.dtype, drafter=info)
+    run.complete(export=str(dest), format="huggingface" + (" + gguf" if cfg.export.gguf else ""),
+                 dtype=cfg.export.dtype, gguf=str(dest / GGUF_FILE) if cfg.export.gguf else None, drafter=info)
     return dest

@@ -83,6 +83,23 @@ def test_export_loads_with_from_pretrained(tiny_run):
         assert model(torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)
 
 
+def test_export_writes_a_gguf_when_asked(tiny_run, tmp_path):
+    import gguf
+
+    root, _ = tiny_run
+    dest = tmp_path / "with-gguf"
+    proc = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
+                      "export.gguf=true", "export.gguf_dtype=f32", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reader = gguf.GGUFReader(dest / "drafter.gguf")
+    assert reader.fields["general.architecture"].contents() == "qwen2"
+    reloaded = AutoModelForCausalLM.from_pretrained(dest, gguf_file="drafter.gguf", dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32)  # the same bf16 weights, in f32
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, original(ids).logits, atol=1e-5)
+
+
 def test_single_stages_chain_through_outputs(tiny_run, tmp_path):
     """`draftsmith distill` without inputs reads the newest finished generate run."""
     root, _ = tiny_run
