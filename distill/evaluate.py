@@ -139,6 +139,11 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             f"{cfg.target.dtype} the target's verification forward over K+1 tokens rounds differently from "
             f"one-token decoding, so a near-tie between two tokens can flip; transformers' assisted generation "
             f"shows the same. Exactness holds in float32 (target.dtype=float32; tested)")
+    train = read_manifest(distill_dir).get("train") or {}
+    if "val_expected_acceptance_after" in train:
+        # the training-time metric beside the decoder's measurement, to judge how well it predicts acceptance
+        report["distill_validation"] = {k: train.get(k) for k in (
+            "val_expected_acceptance_before", "val_expected_acceptance_after", "val_loss_before", "val_loss_after")}
     plots = write_report_plots(report, run_dir, training_metrics=distill_dir / "checkpoints" / "metrics.jsonl")
     report["plots"] = [str(p) for p in plots]
     report_path = run_dir / REPORT_JSON

@@ -9,6 +9,7 @@ was tuned for. The folder is written atomically and loaded back with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from distill.errors import DraftsmithError
 from distill.evaluate import REPORT_JSON
 from distill.gguf_export import export_gguf
 from distill.rundir import StageRun, atomic_dir, find_latest, read_manifest, require_complete, resolve_input, write_text_atomic
+from distill.tracking import make_logger, run_name
 from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO
 
 EXPORT_DIR = "drafter-hf"
@@ -142,6 +144,12 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     if staging != dest:  # overwrite: swap in the finished folder only now
         shutil.rmtree(dest)
         staging.rename(dest)
+    logger = make_logger(cfg.logger, run_name("export", run_dir), run_dir, config=dataclasses.asdict(cfg))
+    try:
+        logger.summary({"export_bytes": sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()),
+                        "gguf": int(cfg.export.gguf)})
+    finally:
+        logger.finish()
     run.complete(export=str(dest), format="huggingface" + (" + gguf" if cfg.export.gguf else ""),
                  dtype=cfg.export.dtype, gguf=str(dest / GGUF_FILE) if cfg.export.gguf else None, drafter=info)
     return dest

@@ -27,6 +27,7 @@ from distill.config import Config
 from distill.models import eos_token_ids, load_model
 from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, atomic_dir, write_text_atomic
+from distill.tracking import make_logger, run_name
 
 DATASET_DIR = "dataset"
 EVAL_PROMPTS = "eval_prompts.jsonl"
@@ -147,6 +148,15 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     with atomic_dir(final) as tmp:
         dataset.save_to_disk(str(tmp))
     lengths = dataset["completion_ids"]
+    facts = {"num_train_prompts": len(train), "num_eval_prompts": len(held_out),
+             "completion_tokens": sum(len(x) for x in lengths),
+             "finished_with_eos": sum(r == "eos" for r in dataset["finish_reason"]),
+             "generation_tokens_per_s": round(new_tokens / gen_s, 2) if gen_s else None}
+    logger = make_logger(cfg.logger, run_name("generate", run_dir), run_dir, config=asdict(cfg))
+    try:
+        logger.summary({k: v for k, v in facts.items() if v is not None})
+    finally:
+        logger.finish()
     return run.complete(
         target={"name": cfg.target.name, "fingerprint": resolved.fingerprint, "source": resolved.source,
                 "dtype": cfg.target.dtype},

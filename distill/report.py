@@ -47,6 +47,18 @@ def render_report_markdown(report: dict[str, Any]) -> str:
     ]
     for label, key, fmt in _ROWS:
         lines.append(f"| {label} | {_fmt(base.get(key), fmt)} | {_fmt(report.get(key), fmt)} |")
+    val = report.get("distill_validation")
+    if val:
+        lines += ["", "## Expected vs measured acceptance", "",
+                  "| figure | undistilled drafter | distilled drafter |", "|---|---|---|",
+                  f"| expected acceptance 1 - TV (validation split of the generated data, teacher-forced) | "
+                  f"{_fmt(val.get('val_expected_acceptance_before'), '{:.3f}')} | "
+                  f"{_fmt(val.get('val_expected_acceptance_after'), '{:.3f}')} |",
+                  f"| measured acceptance rate (bundled decoder, held-out prompts) | "
+                  f"{_fmt(base.get('acceptance_rate'), '{:.3f}')} | {_fmt(report.get('acceptance_rate'), '{:.3f}')} |",
+                  "", "1 - TV is the acceptance probability of speculative *sampling* at temperature 1 on the "
+                  "target's own continuations (Leviathan et al. 2023, Cor. 3.6); greedy acceptance on new prompts "
+                  "differs, so read the two as a trend, not as equals."]
     hf = (report.get("baselines") or {}).get("hf_assisted")
     if hf:
         lines += ["", "## Transformers assisted generation, same distilled drafter and K", "",
@@ -103,7 +115,7 @@ def render_report_markdown(report: dict[str, Any]) -> str:
 
 def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: Path | None = None) -> list[Path]:
     """PNG plots beside the report: acceptance by draft position, tokens/s per method, expected and
-    measured speedup vs K, training loss.
+    measured speedup vs K, expected (1 - TV) vs measured acceptance, training loss.
 
     Args:
         training_metrics: the distill run's ``metrics.jsonl`` (one JSON object per step with ``loss``
@@ -168,6 +180,23 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(folder / "speedup_vs_k.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    val = report.get("distill_validation") or {}
+    if val.get("val_expected_acceptance_after") is not None:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        labels = ["undistilled", "distilled"]
+        expected = [val.get("val_expected_acceptance_before") or 0.0, val.get("val_expected_acceptance_after") or 0.0]
+        measured = [base.get("acceptance_rate") or 0.0, report.get("acceptance_rate") or 0.0]
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], expected, 0.4, label="expected 1 - TV (validation)")
+        ax.bar([x + 0.2 for x in xs], measured, 0.4, label="measured (decoder, held-out)")
+        ax.set(xticks=list(xs), xticklabels=labels, ylim=(0, 1), ylabel="acceptance",
+               title="Expected vs measured acceptance")
+        ax.legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        written.append(folder / "expected_vs_measured_acceptance.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 

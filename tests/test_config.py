@@ -154,3 +154,13 @@ def test_sweep_folder_names_are_single_folders():
     long = _slug("x=" + "a" * 500)
     assert len(long) <= 120 and "/" not in long and long != _slug("x=" + "a" * 499)
     assert _slug("") == "default"
+
+
+def test_slurm_launcher_config_composes():
+    """conf/hydra/launcher/slurm.yaml on top of hydra-submitit-launcher (a test dependency, not a runtime one)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.gpus_per_node == 1

@@ -83,6 +83,22 @@ def test_export_loads_with_from_pretrained(tiny_run):
         assert model(torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)
 
 
+def test_export_works_as_transformers_assistant_model(tiny_run):
+    """The exported folder as ``assistant_model`` of the target in transformers: output identical to plain greedy."""
+    from distill.models import load_model
+
+    root, proc = tiny_run
+    exported = Path(proc.stdout.strip().splitlines()[-1]).parent.parent / "export" / "drafter-hf"
+    target, tokenizer, _ = load_model("tiny-target")
+    assistant = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    ids = tokenizer("def add(a, b):", return_tensors="pt").input_ids
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                  attention_mask=torch.ones_like(ids))
+    plain = target.eval().generate(ids, **kwargs)
+    assisted = target.generate(ids, assistant_model=assistant, num_assistant_tokens=3, **kwargs)
+    assert torch.equal(assisted, plain)
+
+
 def test_export_writes_a_gguf_when_asked(tiny_run, tmp_path):
     import gguf
 

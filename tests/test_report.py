@@ -1,0 +1,41 @@
+"""report.md and the PNG plots rendered from a report.json-shaped dict."""
+
+from __future__ import annotations
+
+from distill.report import render_report_markdown, write_report_plots
+
+
+def _report() -> dict:
+    figures = {"acceptance_rate": 0.7, "alpha": 0.85, "mean_accepted_tokens": 3.1, "speedup": 2.2,
+               "speculative_tokens_per_s": 14.0, "target_tokens_per_s": 6.3, "draft_length": 3,
+               "per_position_acceptance": [0.8, 0.9, 0.95], "theoretical_speedup": 2.3,
+               "measured_over_theoretical": 0.96, "outputs_match_target": True,
+               "draft_length_choice": {"best_draft_length": 4, "rule_of_thumb": 3, "cost_ratio": 0.12,
+                                       "speculation_pays": True,
+                                       "expected_speedup_by_k": {1: 1.6, 2: 2.0, 3: 2.3, 4: 2.4}}}
+    return {**figures, "num_prompts": 6, "new_tokens": 600,
+            "target": {"name": "t"}, "drafter": {"base_name": "d", "init": "sibling"},
+            "baselines": {"target": {"engine": "transformers generate"},
+                          "hf_assisted": {"tokens_per_s": 13.0, "speedup": 2.05, "outputs_match_target": True}},
+            "baseline_drafter": {**figures, "acceptance_rate": 0.72, "speedup": 2.3},
+            "per_category": {"code": {**figures, "num_prompts": 3}},
+            "distill_validation": {"val_expected_acceptance_before": 0.97, "val_expected_acceptance_after": 0.98},
+            "decode": {"drafter_quantization_used": "int8-dynamic"}}
+
+
+def test_markdown_has_every_section():
+    text = render_report_markdown(_report())
+    for heading in ("## Expected vs measured acceptance", "## Transformers assisted generation",
+                    "## Choice of draft length K", "## Per prompt category", "## Acceptance by draft position"):
+        assert heading in text, heading
+    assert "| measured / theoretical speedup | 0.96 | 0.96 |" in text
+    assert "Recommended K = 4" in text and "K = accuracy x 5 gives K = 3" in text
+    assert "| expected acceptance 1 - TV" in text and "| 0.970 | 0.980 |" in text
+    assert "drafter run as int8-dynamic" in text
+
+
+def test_plots_are_written(tmp_path):
+    names = [p.name for p in write_report_plots(_report(), tmp_path)]
+    assert names == ["acceptance_by_position.png", "tokens_per_s.png", "speedup_vs_k.png",
+                     "expected_vs_measured_acceptance.png"]
+    assert all((tmp_path / n).stat().st_size > 1000 for n in names)
