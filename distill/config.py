@@ -68,8 +68,10 @@ class DataConfig:
     source: str = "mixed"  # humaneval | mtbench | sharegpt | mixed | file
     path: Optional[str] = None  # with source=file: a .jsonl ({"prompt": ...} or {"messages": [...]}) or .txt file
     seed: int = 0  # split seed
+    on_bad_line: str = "error"  # a malformed line of data.path: error (all listed) | skip (warned, counted)
 
     def __post_init__(self) -> None:
+        _check(self.on_bad_line in ("error", "skip"), "data.on_bad_line", "must be error or skip")
         sources = ("humaneval", "mtbench", "sharegpt", "mixed", "file")
         _check(self.source in sources, "data.source", f"must be one of {sources}, got {self.source!r}")
         _check(self.source != "file" or bool(self.path), "data.path", "set data.path=<file> when data.source=file")

@@ -66,7 +66,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """
     distill_dir = resolve_input(cfg.inputs.distill, cfg.outputs, "distill")
     gen_dir = Path(cfg.inputs.generate or read_manifest(distill_dir)["inputs"]["generate"])
-    _, held_out, _ = load_generated(gen_dir)
+    _, held_out, gen_manifest = load_generated(gen_dir)
     if len(held_out) < cfg.evaluate.num_prompts:
         print(f"evaluate: warning: {gen_dir} holds {len(held_out)} held-out prompts, fewer than "
               f"evaluate.num_prompts={cfg.evaluate.num_prompts}; the eval set is fixed when generate runs "
@@ -132,6 +132,11 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         f"gets the same drafter module; the output is the target's either way",
         *report.get("notes", []),
     ]
+    skipped = gen_manifest.get("skipped_prompt_lines") or []
+    report["data"] = {"skipped_prompt_lines": len(skipped)}
+    if skipped:
+        report["notes"].append(f"{len(skipped)} malformed prompt line(s) were skipped by generate "
+                               f"(data.on_bad_line=skip): {'; '.join(skipped[:5])}")
     if report.get("outputs_match_target") is False and cfg.target.dtype != "float32":
         report["notes"].append(
             f"greedy outputs differ from the target alone on some prompts (identical_token_fraction "

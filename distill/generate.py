@@ -24,6 +24,7 @@ from datasets import Dataset, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 
 from distill.config import Config
+from distill.errors import PromptError
 from distill.models import eos_token_ids, load_model
 from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, atomic_dir, write_text_atomic
@@ -33,13 +34,15 @@ DATASET_DIR = "dataset"
 EVAL_PROMPTS = "eval_prompts.jsonl"
 
 
-def select_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
+def select_prompts(cfg: Config, skipped: list[str] | None = None) -> tuple[list[Prompt], list[Prompt]]:
     """The training and held-out evaluation prompts for ``cfg`` (disjoint, deterministic in ``data.seed``).
+
+    Malformed lines skipped under ``data.on_bad_line=skip`` are appended to ``skipped``.
 
     Raises:
         PromptError: the source is missing, empty or malformed.
     """
-    prompts = load_prompts(cfg.data.source, cfg.data.path)
+    prompts = load_prompts(cfg.data.source, cfg.data.path, on_bad_line=cfg.data.on_bad_line, skipped=skipped)
     return split_prompts(prompts, num_train=cfg.generate.num_prompts, num_eval=cfg.evaluate.num_prompts,
                          seed=cfg.data.seed)
 
@@ -94,7 +97,8 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     Raises:
         PromptError, ModelNotFoundError, ModelIntegrityError: bad prompts or model (before any generation).
     """
-    train, held_out = select_prompts(cfg)  # prompt errors surface before the slow model load
+    skipped: list[str] = []
+    train, held_out = select_prompts(cfg, skipped)  # prompt errors surface before the slow model load
     run = StageRun.start("generate", run_dir, config_yaml)
     t0 = time.perf_counter()
     model, tokenizer, resolved = load_model(cfg.target.name, dtype=cfg.target.dtype)
@@ -102,6 +106,17 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     encoded = [encode_prompt(tokenizer, p) for p in train]
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context:
+        # checked for the held-out prompts too: evaluate decodes them later with decode.max_new_tokens
+        too_long = [(p.id, len(ids)) for p, ids in zip(train, encoded) if len(ids) + cfg.generate.max_new_tokens > context]
+        too_long += [(p.id, n) for p in held_out
+                     if (n := len(encode_prompt(tokenizer, p))) + cfg.decode.max_new_tokens > context]
+        if too_long:
+            shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
+            raise PromptError(f"{len(too_long)} prompt(s) do not fit the target's context of {context} tokens with "
+                              f"the tokens to generate: {shown}; shorten or drop them, or lower "
+                              f"generate.max_new_tokens / decode.max_new_tokens")
 
     write_text_atomic(run_dir / EVAL_PROMPTS, "".join(json.dumps(asdict(p)) + "\n" for p in held_out))
 
@@ -151,7 +166,8 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     facts = {"num_train_prompts": len(train), "num_eval_prompts": len(held_out),
              "completion_tokens": sum(len(x) for x in lengths),
              "finished_with_eos": sum(r == "eos" for r in dataset["finish_reason"]),
-             "generation_tokens_per_s": round(new_tokens / gen_s, 2) if gen_s else None}
+             "generation_tokens_per_s": round(new_tokens / gen_s, 2) if gen_s else None,
+             "skipped_prompt_lines": len(skipped)}
     logger = make_logger(cfg.logger, run_name("generate", run_dir), run_dir, config=asdict(cfg))
     try:
         logger.summary({k: v for k, v in facts.items() if v is not None})
@@ -163,6 +179,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         num_train_prompts=len(train), num_eval_prompts=len(held_out), shard_cache=str(shard_root),
         completion_tokens=sum(len(x) for x in lengths),
         finished_with_eos=sum(r == "eos" for r in dataset["finish_reason"]),
+        skipped_prompt_lines=skipped,
         model_load_s=round(load_s, 2),
         generation_tokens_per_s=round(new_tokens / gen_s, 2) if gen_s else None,
     )

@@ -56,12 +56,15 @@ class Prompt:
         return "\n\n".join(m["content"] for m in self.messages if m["role"] == "user")
 
 
-def load_prompts(source: str, path: str | None = None, limit: int | None = None) -> list[Prompt]:
+def load_prompts(source: str, path: str | None = None, limit: int | None = None, *,
+                 on_bad_line: str = "error", skipped: list[str] | None = None) -> list[Prompt]:
     """Load prompts from ``source`` (one of ``SOURCES``), in a fixed order.
 
     ``path`` is required for (and only used by) ``source="file"``. ``limit``
     keeps the first ``limit`` prompts; for sharegpt it also stops reading the
-    125 MB file early.
+    125 MB file early. ``on_bad_line`` decides what a malformed JSONL line
+    does: ``error`` (all of them listed with line numbers) or ``skip`` (a
+    warning, and ``"line N: reason"`` appended to ``skipped`` when given).
 
     Raises:
         PromptError: unknown source, package not installed (the message gives
@@ -74,7 +77,7 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None)
     if source == "file":
         if not path:
             raise PromptError("source 'file' needs a path to a .jsonl or .txt file (data.path=...).")
-        prompts = _load_file(Path(path))
+        prompts = _load_file(Path(path), on_bad_line, skipped)
     elif path:
         raise PromptError(f"a path was given with source {source!r}; use source 'file' to read {path}.")
     elif source == "humaneval":
@@ -211,7 +214,7 @@ def _interleave(*lists: Sequence[Prompt]) -> list[Prompt]:
     return out
 
 
-def _load_file(path: Path) -> list[Prompt]:
+def _load_file(path: Path, on_bad_line: str = "error", skipped: list[str] | None = None) -> list[Prompt]:
     if not path.is_file():
         raise PromptError(f"Prompt file {path} does not exist; check data.path.")
     suffix = path.suffix.lower()
@@ -233,11 +236,16 @@ def _load_file(path: Path) -> list[Prompt]:
                 prompts.append(_prompt_from_record(json.loads(line), path, number))
             except (json.JSONDecodeError, ValueError) as exc:
                 bad.append(f"line {number}: {str(exc).splitlines()[0]}")
-        if bad:
-            shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+        shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+        if bad and on_bad_line == "skip":
+            print(f"prompts: warning: skipped {len(bad)} malformed line(s) of {path}: {shown}")
+            if skipped is not None:
+                skipped.extend(bad)
+        elif bad:
             raise PromptError(
                 f"{path}: {len(bad)} malformed line(s): {shown}. Each line must be a JSON object with "
-                f'"prompt": "<text>" or "messages": [{{"role": "user", "content": "<text>"}}, ...].'
+                f'"prompt": "<text>" or "messages": [{{"role": "user", "content": "<text>"}}, ...]; '
+                f"or set data.on_bad_line=skip to drop them (counted in the report)."
             )
     if not prompts:
         raise PromptError(f"Prompt file {path} contains no prompts; add one prompt per line.")

@@ -5,20 +5,10 @@ import torch
 
 from decode.batched import speculative_generate_batch
 from decode.speculative import speculative_generate, target_generate
-from tests.test_speculative import PROMPTS, tiny_model
+from tests.test_speculative import PROMPTS, drafter, target, tiny_model  # noqa: F401 (shared fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RAGGED = PROMPTS + [[9, 8, 7, 6], [250] * 7]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(2, seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return tiny_model(1, seed=1)
 
 
 def alone(target, prompt, n, eos=()):

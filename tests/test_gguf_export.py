@@ -91,3 +91,27 @@ def test_real_qwen_round_trips_through_gguf(qwen05, tmp_path):
     assert torch.equal(target_generate(reloaded, ids, max_new_tokens=16, eos_token_ids=[]).new_tokens, expected)
     again = AutoTokenizer.from_pretrained(tmp_path, gguf_file="drafter.gguf")
     assert again("def fib(n):\n    return").input_ids == tokenizer("def fib(n):\n    return").input_ids
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_llama_cpp_runs_the_exported_gguf(qwen05, tmp_path):
+    """Where llama-cpp-python is installed: llama.cpp loads the exported 0.5B, tokenizes like transformers
+    and decodes the same greedy tokens."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from decode.speculative import target_generate
+
+    model, tokenizer = qwen05
+    tokenizer.save_pretrained(tmp_path)
+    export_gguf(model, tokenizer, tmp_path, tmp_path / "drafter.gguf", dtype="f16")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "drafter.gguf"), n_ctx=256, verbose=False, seed=0)
+    prompt = "def fib(n):\n    "
+    ids = tokenizer(prompt).input_ids
+    assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
+    expected = target_generate(model, torch.tensor([ids]), max_new_tokens=12, eos_token_ids=[]).new_tokens.tolist()
+    got = []
+    for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):
+        got.append(token)
+        if len(got) == len(expected):
+            break
+    assert got == expected

@@ -197,3 +197,30 @@ def test_real_pipeline_smoke(qwen05, tmp_path):
     assert report["outputs_match_target"] is True  # fp32: greedy speculative == greedy target
     assert report["baseline_drafter"]["outputs_match_target"] is True
     assert report["new_tokens"] > 0
+
+
+def test_malformed_prompt_lines_are_fatal_or_skipped_and_counted(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    good = [json.dumps({"prompt": f"write a poem about the number {i}"}) for i in range(6)]
+    prompts.write_text("\n".join(good[:3] + ["{not json", '{"prompt": ""}'] + good[3:]) + "\n")
+    args = ["generate", "experiment=tiny", "data=file", f"data.path={prompts}", f"outputs={tmp_path}/outputs",
+            "generate.num_prompts=4", "evaluate.num_prompts=1"]
+    fatal = draftsmith(*args, cwd=tmp_path)
+    assert fatal.returncode == 2 and "line 4" in fatal.stderr and "line 5" in fatal.stderr
+    assert "data.on_bad_line=skip" in fatal.stderr
+    skipped = draftsmith(*args, "data.on_bad_line=skip", cwd=tmp_path)
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "skipped 2 malformed line(s)" in skipped.stdout
+    [run] = list((tmp_path / "outputs" / "generate").glob("*"))
+    lines = json.loads((run / "manifest.json").read_text())["skipped_prompt_lines"]
+    assert [line.split(":")[0] for line in lines] == ["line 4", "line 5"]
+
+
+def test_prompt_longer_than_the_context_is_refused_before_generating(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("short prompt one\nshort prompt two\n" + "x" * 2100 + "\nshort prompt three\n")
+    proc = draftsmith("generate", "experiment=tiny", "data=file", f"data.path={prompts}",
+                      f"outputs={tmp_path}/outputs", "generate.num_prompts=3", "evaluate.num_prompts=1", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "do not fit the target's context of 2048 tokens" in proc.stderr and "file/prompts/3" in proc.stderr
+    assert not list((tmp_path / "outputs").glob(".shards/*/shard-*"))  # nothing generated
