@@ -22,6 +22,7 @@ from distill.config import Config
 from distill.errors import DraftsmithError
 from distill.evaluate import REPORT_JSON
 from distill.gguf_export import export_gguf
+from distill.models import resolve_model
 from distill.rundir import StageRun, atomic_dir, find_latest, read_manifest, require_complete, resolve_input, write_text_atomic
 from distill.tracking import make_logger, run_name
 from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO
@@ -115,6 +116,13 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                          inputs={"distill": str(distill_dir), "evaluate": str(eval_dir) if eval_dir else ""})
     src = distill_dir / DRAFTER_DIR
     info = json.loads((src / DRAFTER_INFO).read_text())
+    target = resolve_model(cfg.target.name)  # cached after the first use: milliseconds
+    if info.get("target_fingerprint") != target.fingerprint:
+        raise DraftsmithError(
+            f"the drafter in {distill_dir} was tuned for target {info.get('target_name')!r} (fingerprint "
+            f"{str(info.get('target_fingerprint'))[:12]}), not for {cfg.target.name!r} ({target.fingerprint[:12]}): "
+            f"set target.name={info.get('target_name')} (the model card names the target) or export a drafter "
+            f"distilled for this target")
     dtype = getattr(torch, cfg.export.dtype)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(src)

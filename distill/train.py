@@ -177,13 +177,13 @@ def train_drafter(
             for batch in micro_batches:
                 with accelerator.accumulate(drafter):
                     loss_value, accept = _loss_step(drafter, target, batch, spec)
-                    _check_finite("distillation loss", loss_value.item(), step)
+                    _check_finite("distillation loss", loss_value.item(), step, checkpoint)
                     tokens = int(batch["loss_mask"].sum())
                     # accelerate divides by grad_accum; this makes the step the token-weighted mean
                     accelerator.backward(loss_value * (tokens * grad_accum / max(step_tokens, 1)))
                     if accelerator.sync_gradients:
                         grad_norm = float(accelerator.clip_grad_norm_(run.params, MAX_GRAD_NORM))
-                        _check_finite("gradient norm", grad_norm, step)
+                        _check_finite("gradient norm", grad_norm, step, checkpoint)
                         optimizer.step()
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
@@ -613,11 +613,14 @@ def _check_args(spec: LossSpec, **kw) -> None:
             raise ValueError(f"{name} must be {limit}, got {value}")
 
 
-def _check_finite(what: str, value: float, step: int) -> None:
+def _check_finite(what: str, value: float, step: int, checkpoint: Path | None = None) -> None:
+    """Stop on NaN/inf, naming the step and the last good checkpoint (nothing is trained on garbage)."""
     if not math.isfinite(value):
+        last = (f"the last good checkpoint is {checkpoint} (distill.resume={checkpoint} continues from it)"
+                if checkpoint is not None else "no checkpoint was written before it")
         raise DraftsmithError(
-            f"{what} is {value} at step {step}: lower distill.lr, check the target's logits (load the "
-            "target in float32 if bf16/fp16 overflows), or resume from the last good checkpoint")
+            f"{what} is {value} at step {step}; {last}. Lower distill.lr, or check the target's logits "
+            "(load the target in float32 if bf16/fp16 overflows)")
 
 
 def _default_pad_id(model: torch.nn.Module) -> int:

@@ -224,3 +224,12 @@ def test_prompt_longer_than_the_context_is_refused_before_generating(tmp_path):
     assert proc.returncode == 2
     assert "do not fit the target's context of 2048 tokens" in proc.stderr and "file/prompts/3" in proc.stderr
     assert not list((tmp_path / "outputs").glob(".shards/*/shard-*"))  # nothing generated
+
+
+def test_drafter_for_another_target_is_refused_at_evaluate_and_export(tiny_run, tmp_path):
+    root, _ = tiny_run
+    for stage in ("evaluate", "export"):
+        proc = draftsmith(stage, "experiment=tiny", "target.name=tiny-drafter", f"outputs={root}/outputs",
+                          f"export.path={tmp_path / 'x'}", cwd=root)
+        assert proc.returncode == 2, stage
+        assert "was tuned for target 'tiny-target'" in proc.stderr and "target.name=tiny-target" in proc.stderr
