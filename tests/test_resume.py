@@ -107,3 +107,37 @@ def test_killed_distill_resumes_with_the_same_command(tmp_path):
     [uninterrupted] = list((tmp_path / "fresh").glob("distill/*"))
     assert _losses(new) == pytest.approx(_losses(uninterrupted), rel=1e-4, abs=1e-6)
     assert len(_losses(new)) == 150
+
+
+@pytest.mark.slow
+def test_killed_generate_resumes_to_the_same_dataset(tmp_path):
+    """SIGKILL a real generate process after its first shards; the same command finishes with the dataset an
+    uninterrupted run writes."""
+    from datasets import load_from_disk
+
+    out = tmp_path / "outputs"
+    args = ["generate", "experiment=tiny", "generate.num_prompts=120", "generate.shard_size=4",
+            "generate.batch_size=4", "logger=none"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    killed = subprocess.Popen([sys.executable, "-m", "distill.cli", *args, f"outputs={out}"], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(out.glob(".shards/*/shard-*"))) < 3:
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    done = len(list(out.glob(".shards/*/shard-*")))
+    assert 3 <= done < 30, "the kill should land mid-run"
+
+    resumed = draftsmith(*args, f"outputs={out}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming" in resumed.stdout
+    fresh = draftsmith(*args, f"outputs={tmp_path / 'fresh'}", cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+
+    def rows(root):
+        [run] = [p for p in root.glob("generate/*") if (p / COMPLETE).exists()]
+        data = load_from_disk(str(run / "dataset"))
+        return list(zip(data["prompt_id"], data["completion_ids"]))
+
+    assert rows(out) == rows(tmp_path / "fresh") and len(rows(out)) == 120
