@@ -27,3 +27,7 @@ class IncompleteRunError(DraftsmithError):
 
 class TokenizerMismatchError(DraftsmithError):
     """Target and drafter tokenizers differ, so draft tokens cannot be verified."""
+
+
+class DiskFullError(DraftsmithError):
+    """Not enough disk space for an output; the message names the path, the free and the needed bytes."""

@@ -25,7 +25,7 @@ from distill.gguf_export import export_gguf
 from distill.models import resolve_model
 from distill.rundir import StageRun, atomic_dir, find_latest, read_manifest, require_complete, resolve_input, write_text_atomic
 from distill.tracking import make_logger, run_name
-from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO
+from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, _state_bytes
 
 EXPORT_DIR = "drafter-hf"
 GGUF_FILE = "drafter.gguf"
@@ -128,7 +128,8 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     tokenizer = AutoTokenizer.from_pretrained(src)
 
     staging = dest.with_name(dest.name + ".new") if dest.exists() else dest
-    with atomic_dir(staging) as tmp:
+    gguf_bytes = sum(p.numel() for p in model.parameters()) * (4 if cfg.export.gguf_dtype == "f32" else 2)
+    with atomic_dir(staging, needed_bytes=_state_bytes(model) + (gguf_bytes if cfg.export.gguf else 0)) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if model.generation_config is not None:

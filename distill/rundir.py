@@ -7,6 +7,7 @@ carry the marker, so a killed run is never mistaken for a finished one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -21,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
-from distill.errors import IncompleteRunError
+from distill.errors import DiskFullError, IncompleteRunError
 
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -39,6 +40,11 @@ def write_text_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _disk_full(err, path, len(text.encode())) from err
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -49,21 +55,60 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def _existing_parent(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def require_free_space(path: Path, needed_bytes: int, what: str) -> None:
+    """Refuse before writing ``what`` (about ``needed_bytes``) to ``path`` if its file system has less free.
+
+    Raises:
+        DiskFullError: naming the path, the free and the needed bytes.
+    """
+    free = shutil.disk_usage(_existing_parent(path)).free
+    if free < needed_bytes:
+        raise DiskFullError(f"not enough disk space for {what} at {path}: about {needed_bytes / 2**30:.2f} GiB "
+                            f"needed, {free / 2**30:.2f} GiB free; free some space or point outputs= "
+                            f"(or export.path=) to another disk")
+
+
+def _disk_full(err: OSError, path: Path, needed_bytes: int | None) -> DiskFullError:
+    free = shutil.disk_usage(_existing_parent(path)).free
+    need = f"about {needed_bytes / 2**30:.2f} GiB needed, " if needed_bytes else ""
+    return DiskFullError(f"the disk filled up while writing {path} ({need}{free / 2**30:.2f} GiB free now; the "
+                         f"partial output was removed); free some space or point outputs= to another disk and run "
+                         f"the same command again")
+
+
 @contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
+def atomic_dir(final: Path, needed_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary sibling folder, renamed to ``final`` when the block ends without error.
+
+    Args:
+        needed_bytes: the expected size of what goes in; checked against the free space first.
 
     Raises:
         FileExistsError: ``final`` already exists (the caller decides about overwriting first).
+        DiskFullError: too little free space before, or the disk filled up while writing.
     """
     final = Path(final)
     if final.exists():
         raise FileExistsError(f"{final} already exists")
+    if needed_bytes:
+        require_free_space(final.parent, needed_bytes, final.name)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
     try:
         yield tmp
         os.replace(tmp, final)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _disk_full(err, final, needed_bytes) from err
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -23,6 +23,7 @@ Files written under ``output_dir``:
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import math
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from distill.errors import DraftsmithError
+from distill.errors import DiskFullError, DraftsmithError
 from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance
 
 log = logging.getLogger(__name__)
@@ -500,9 +501,19 @@ def _save_checkpoint(run: _Run, output_dir: Path, *, step: int, examples_seen: i
         tmp = output_dir / f".checkpoint-{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        accelerator.unwrap_model(run.drafter).save_pretrained(tmp)
-        torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
+        try:
+            accelerator.unwrap_model(run.drafter).save_pretrained(tmp)
+            torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
+        except (OSError, RuntimeError) as err:  # torch.save reports ENOSPC as a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(err, OSError) and err.errno not in (errno.ENOSPC, errno.EDQUOT) or \
+                    isinstance(err, RuntimeError) and "No space left" not in str(err):
+                raise
+            free = shutil.disk_usage(output_dir).free
+            raise DiskFullError(f"the disk filled up writing checkpoint {final} ({free / 2**30:.2f} GiB free); "
+                                f"earlier checkpoints in {output_dir} are intact: free space and run the same "
+                                f"command again to resume") from err
         state = {"format": STATE_FORMAT, "step": step, "examples_seen": examples_seen,
                  "tokens_seen": tokens_seen, "data": run.data_key, "rng": _get_rng_state()}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")

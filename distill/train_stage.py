@@ -63,6 +63,16 @@ def drafter_info(cfg: Config, target: ResolvedModel, base: ResolvedModel) -> dic
             "method": cfg.distill.method, "loss": cfg.distill.loss}
 
 
+def _state_bytes(model) -> int:
+    """Bytes a save_pretrained of ``model`` writes (its parameters and buffers, tied weights once)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
 def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run stage 2 into ``run_dir``; returns ``run_dir``.
 
@@ -116,7 +126,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     merged = merge_drafter(drafter)
     info = drafter_info(cfg, target_res, base_res)
     final = run_dir / DRAFTER_DIR
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, needed_bytes=_state_bytes(merged)) as tmp:
         merged.save_pretrained(tmp)
         drafter_tok.save_pretrained(tmp)
         write_json_atomic(tmp / DRAFTER_INFO, info)

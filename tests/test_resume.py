@@ -141,3 +141,29 @@ def test_killed_generate_resumes_to_the_same_dataset(tmp_path):
         return list(zip(data["prompt_id"], data["completion_ids"]))
 
     assert rows(out) == rows(tmp_path / "fresh") and len(rows(out)) == 120
+
+
+def test_disk_full_names_the_path_and_sizes(tmp_path, monkeypatch):
+    import errno
+
+    from distill.errors import DiskFullError
+    from distill.rundir import atomic_dir, require_free_space, write_text_atomic
+
+    with pytest.raises(DiskFullError, match=r"not enough disk space for drafter at .* GiB needed, .* GiB free"):
+        require_free_space(tmp_path / "new" / "sub", 10**18, "drafter")
+    with pytest.raises(DiskFullError, match="drafter"):
+        with atomic_dir(tmp_path / "drafter", needed_bytes=10**18):
+            pass
+    with pytest.raises(DiskFullError, match=r"disk filled up while writing .*out.*partial output was removed"):
+        with atomic_dir(tmp_path / "out", needed_bytes=1000) as tmp:
+            (tmp / "half").write_text("x")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("distill.rundir.os.replace", full)
+    with pytest.raises(DiskFullError, match="report.json"):
+        write_text_atomic(tmp_path / "report.json", "{}")
+    assert not list(tmp_path.glob(".report.json.*"))

@@ -173,3 +173,24 @@ def test_validate_restores_mode_and_counts_tokens(target, examples):
     expected_tokens = sum(len(e["completion_ids"]) for e in examples[:3])
     assert metrics["tokens"] == expected_tokens and 0 < metrics["expected_acceptance"] < 1
     assert drafter.training
+
+
+def test_disk_full_during_a_checkpoint_keeps_the_earlier_ones(target, examples, tmp_path, monkeypatch):
+    from distill import train as train_module
+    from distill.errors import DiskFullError
+
+    real_save, calls = train_module.torch.save, {"n": 0}
+
+    def save(obj, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:  # the second checkpoint's optimizer state
+            raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file: "
+                               "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(train_module.torch, "save", save)
+    with pytest.raises(DiskFullError, match=r"checkpoint-4 .*earlier checkpoints in .* are intact"):
+        train_drafter(_sibling(), target, examples, max_steps=6, batch_size=2, output_dir=tmp_path,
+                      progress=False, checkpoint_every=2)
+    assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()
+    assert not (tmp_path / "checkpoint-4").exists() and not list(tmp_path.glob(".checkpoint-4*"))
