@@ -153,14 +153,18 @@ def _prefill_seconds(model, input_ids) -> float:
     return time.perf_counter() - start
 
 
-def _hf_assisted_generate(target, drafter, input_ids, *, draft_length, schedule="constant",
+def _hf_assisted_generate(target, drafter, input_ids, *, draft_length=None, schedule="constant",
                           confidence_threshold=0.0, **decode_args) -> tuple[torch.Tensor, float]:
-    """HF assisted generation with our draft-length settings; returns (new tokens, wall seconds)."""
-    # The candidate generator reads these from the *assistant's* generation config; the
-    # "heuristic" schedule also writes the draft length back there between calls, so it is restored.
+    """HF assisted generation; returns (new tokens, wall seconds).
+
+    With ``draft_length`` our draft-length settings are passed; None leaves transformers' defaults.
+    """
+    # The candidate generator reads these from the *assistant's* generation config; the "heuristic"
+    # schedule and the confidence-threshold tuning write back there between calls, so it is restored.
     saved = copy.deepcopy(drafter.generation_config)
-    assisted = dict(num_assistant_tokens=draft_length, num_assistant_tokens_schedule=schedule,
-                    assistant_confidence_threshold=confidence_threshold)  # 0 disables early draft stopping
+    assisted = {} if draft_length is None else dict(
+        num_assistant_tokens=draft_length, num_assistant_tokens_schedule=schedule,
+        assistant_confidence_threshold=confidence_threshold)  # 0 disables early draft stopping
     for key, value in assisted.items():
         setattr(drafter.generation_config, key, value)
     kwargs = _hf_kwargs(**decode_args)
@@ -192,25 +196,16 @@ def hf_assisted_defaults(target, drafter, prompts: list[tuple[str, str, list[int
     Returns:
         ``tokens_per_s``, ``new_tokens``, ``decode_s`` pooled over prompts, and the settings used.
     """
+    args = dict(eos_token_ids=eos_token_ids, temperature=0.0)
     tokens, seconds = 0, 0.0
-    warm_up = torch.tensor([prompts[0][2]], device=target.device)
-    target.generate(warm_up, attention_mask=torch.ones_like(warm_up), assistant_model=drafter,
-                    **_hf_kwargs(max_new_tokens=4, eos_token_ids=eos_token_ids, temperature=0.0))
+    _hf_assisted_generate(target, drafter, torch.tensor([prompts[0][2]], device=target.device),
+                          max_new_tokens=4, **args)  # warm-up
     for _, _, ids in tqdm(prompts, desc="HF assisted (defaults)", unit="prompt", disable=not progress):
         input_ids = torch.tensor([list(ids)], device=target.device)
         prefill_s = _prefill_seconds(target, input_ids) + _prefill_seconds(drafter, input_ids)
-        saved = copy.deepcopy(drafter.generation_config)
-        try:
-            _sync(target.device)
-            start = time.perf_counter()
-            output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
-                                     **_hf_kwargs(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-                                                  temperature=0.0))
-            _sync(target.device)
-            seconds += max(time.perf_counter() - start - prefill_s, 1e-9)
-        finally:
-            drafter.generation_config = saved  # the confidence threshold it tuned stays out of later runs
-        tokens += output.shape[1] - input_ids.shape[1]
+        new, wall_s = _hf_assisted_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, **args)
+        tokens += len(new)
+        seconds += max(wall_s - prefill_s, 1e-9)
     return {"tokens_per_s": tokens / seconds, "new_tokens": tokens, "decode_s": seconds,
             "settings": "transformers defaults: num_assistant_tokens=20, constant, assistant_confidence_threshold=0.4"}
 
@@ -264,7 +259,8 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
         figures["cost_model_speedup"] = spec.mean_accepted_tokens / (mean_k * cost_ratio + verify) if mean_k else 0.0
         choice = choose_draft_length(spec.per_position_acceptance, cost_ratio, accuracy=spec.acceptance_rate,
                                      verify_costs=verify_costs, max_k=max(8, len(verify_costs) - 1))
-        figures["draft_length_choice"] = asdict(choice)
+        measured = sum(a is not None for a in spec.per_position_acceptance)
+        figures["draft_length_choice"] = {**asdict(choice), "measured_positions": measured}
     if all(r.hf_tokens is not None for r in runs):
         hf_tokens = sum(len(r.hf_tokens) for r in runs)
         hf_decode_s = sum(r.hf_decode_s for r in runs)

@@ -11,6 +11,7 @@ article's K = accuracy x 5. Writes ``check.json`` and ``check.md``.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,7 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         "measured_speedup": pooled.tokens_per_s / target_stats.tokens_per_s if target_stats.tokens_per_s else 0.0,
         "expected_speedup_at_measured_k": expected_speedup(pooled.per_position_acceptance, c.draft_length,
                                                            cost_ratio, verify_costs[min(c.draft_length, len(verify_costs) - 1)]),
-        "draft_length_choice": {**choice.__dict__},
+        "draft_length_choice": asdict(choice),
         "measure_s": time.perf_counter() - start,
         "target_fingerprint": target_res.fingerprint,
     })

@@ -76,6 +76,9 @@ def render_report_markdown(report: dict[str, Any]) -> str:
                   f"Recommended K = {choice.get('best_draft_length')} from the measured per-position acceptance, "
                   f"c = {_fmt(choice.get('cost_ratio'), '{:.3f}')} and the measured verification cost; the "
                   f"article's rule of thumb K = accuracy x 5 gives K = {choice.get('rule_of_thumb')}. "
+                  + (f"Acceptance was measured up to position {choice['measured_positions']}; larger K "
+                     f"extrapolate it with the mean measured value (use decode.schedule=auto to measure them). "
+                     if choice.get("measured_positions") else "")
                   + ("" if choice.get("speculation_pays") else
                      "**No K is expected to beat the target alone with this pair on this machine.**"), "",
                   "| K | " + " | ".join(str(k) for k in by_k) + " |", "|---|" + "---|" * len(by_k),

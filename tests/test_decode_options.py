@@ -197,3 +197,13 @@ def test_int8_drafter_keeps_output_and_leaves_the_original(target, drafter):
     assert agree > 0.8
     with pytest.raises(ValueError, match="drafter quantization"):
         quantize_drafter(drafter, "int4")
+
+
+def test_hf_assisted_defaults_on_tiny_models(target, drafter):
+    from decode.benchmark import hf_assisted_defaults
+
+    before = drafter.generation_config.to_dict()
+    result = hf_assisted_defaults(target, drafter, [("a", "code", PROMPTS[0])], max_new_tokens=12,
+                                  eos_token_ids=[], progress=False)
+    assert result["new_tokens"] == 12 and result["tokens_per_s"] > 0
+    assert drafter.generation_config.to_dict() == before  # transformers' tuning does not leak into later runs
