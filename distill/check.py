@@ -42,7 +42,7 @@ def top1_agreement(target, drafter, prompts: list[list[int]], draft_length: int)
     It under-states acceptance after a first disagreement (the drafter then
     continues from its own prefix, not the target's).
     """
-    vocab = min(m.get_output_embeddings().weight.shape[0] for m in (target, drafter))
+    vocab = min(m.get_output_embeddings().out_features for m in (target, drafter))
     correct = total = 0
     for ids in prompts:
         input_ids = torch.tensor([ids], device=target.device)
@@ -104,7 +104,7 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     drafter, drafter_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)
     drafter.eval()
     ok, why = tokenizers_compatible(tokenizer, drafter_tok)
-    rows = [m.get_output_embeddings().weight.shape[0] for m in (target, drafter)]
+    rows = [m.get_output_embeddings().out_features for m in (target, drafter)]
     result: dict[str, Any] = {
         "target": cfg.target.name, "drafter": cfg.drafter.name if cfg.drafter.init == "sibling"
         else f"{cfg.drafter.name} ({cfg.drafter.layer_selection} {cfg.drafter.num_layers} layers)",

@@ -11,11 +11,13 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from distill import parallel
 from distill.config import STAGES, register_configs, to_config
 from distill.errors import ConfigError, DraftsmithError
 
@@ -100,6 +102,9 @@ def _speedup(report_path: Path) -> float | None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        if parallel.world_size() > 1:  # the main process of several (main() refused other stages)
+            _distill_in_all_processes(lambda: (to_config(cfg), run_dir, OmegaConf.to_yaml(cfg)))
+            return None
         return run_stage(cfg, run_dir)
     except DraftsmithError as err:
         # A refused run wrote nothing of its own: leave no empty run folder behind.
@@ -107,6 +112,47 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             shutil.rmtree(run_dir, ignore_errors=True)
         kind = "config error" if isinstance(err, ConfigError) else "error"
         print(f"draftsmith {cfg.stage}: {kind}: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _distill_in_all_processes(share: Callable[[], tuple] | None) -> None:
+    """The distill stage in every launched process: the main one shares its checked config, run folder
+    and config text (``share``, run inside Hydra); the others (``share=None``) never run Hydra, so they
+    make no run folder of their own, and train in the main process's."""
+    config, run_dir, config_yaml = parallel.from_main(share)
+    from distill.train_stage import run_distill
+
+    run_distill(config, run_dir, config_yaml)
+
+
+def _follow_main() -> None:
+    """A launched process other than the main one: train with it; errors the main process relays are
+    reported there, so they end this process quietly (rc 2)."""
+    try:
+        _distill_in_all_processes(None)
+    except DraftsmithError as err:
+        if not getattr(err, "relayed", False):
+            kind = "config error" if isinstance(err, ConfigError) else "error"
+            print(f"draftsmith distill (process {parallel.launcher_rank()}): {kind}: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+# Hydra flags that do not run the stage (help, printing the config, completion) or run several jobs.
+_NOT_IN_PARALLEL = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
+                    "--shell-completion", "-sc", "--multirun", "-m", "--experimental-rerun"}
+
+
+def _refuse_in_parallel(stage: str, flags: list[str]) -> None:
+    """Under a launcher's N processes (WORLD_SIZE > 1): only a plain ``distill`` run is data-parallel."""
+    why = None
+    if stage != "distill":
+        why = (f"only the distill stage trains data-parallel; run `draftsmith {stage}` as one process "
+               "(without torchrun / accelerate launch)")
+    elif used := [f for f in flags if f.split("=", 1)[0] in _NOT_IN_PARALLEL]:
+        why = f"{' '.join(used)} does not run one distill job: use it without torchrun / accelerate launch"
+    if why:
+        if parallel.launcher_rank() == 0:  # once, not N times
+            print(f"draftsmith {stage}: error: WORLD_SIZE={parallel.world_size()}: {why}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -153,9 +199,26 @@ def main(argv: list[str] | None = None) -> None:
     datasets.disable_progress_bars()
     register_configs()
     flags, overrides = _split_flags(rest)
+    if parallel.world_size() > 1:  # torchrun / accelerate launch: N processes, one distill run
+        _refuse_in_parallel(stage, flags)
+        try:
+            state = parallel.start()
+        except DraftsmithError as err:
+            if parallel.launcher_rank() == 0:
+                print(f"draftsmith {stage}: error: {err}", file=sys.stderr)
+            sys.exit(2)
+        if not state.is_main_process:
+            try:
+                _follow_main()
+            finally:
+                parallel.finish()
+            return
     # Hydra's parser wants flags before the overrides; users put them anywhere.
     sys.argv = [f"draftsmith {stage}", *flags, f"stage={stage}", *overrides]
-    _hydra_main()
+    try:
+        _hydra_main()
+    finally:
+        parallel.finish()
 
 
 if __name__ == "__main__":

@@ -48,9 +48,14 @@ class DrafterConfig:
     num_layers: Optional[int] = None  # with init=layers: decoder layers kept
     layer_selection: str = "first"  # with init=layers: first N, or N evenly spaced
     dtype: str = "bfloat16"  # dtype when decoding (training runs in float32)
+    # EAGLE-3-style reduced vocabulary: the drafter's LM head predicts only the N most frequent tokens of the
+    # training completions (e.g. 32000); null = the full vocabulary. Decoding stays lossless.
+    draft_vocab_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check(self.init in ("sibling", "layers"), "drafter.init", f"must be 'sibling' or 'layers', got {self.init!r}")
+        _check(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "drafter.draft_vocab_size",
+               f"must be >= 1 (e.g. 32000), or null for the full vocabulary; got {self.draft_vocab_size}")
         _check(self.layer_selection in ("first", "even"), "drafter.layer_selection", "must be 'first' or 'even'")
         if self.init == "layers":
             _check(self.num_layers is not None and self.num_layers >= 1, "drafter.num_layers",
@@ -87,6 +92,9 @@ class GenerateConfig:
     top_p: float = 1.0
     batch_size: int = 8
     shard_size: int = 16  # prompts per shard written to disk (the unit of resume)
+    # keep the target's k most likely tokens + log-probs per answer token, so distill can run without
+    # the target (distill.target_source=stored); 0 = off. ~16 bytes x k per token on disk.
+    store_top_k: int = 0
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
@@ -95,6 +103,7 @@ class GenerateConfig:
         _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
         _check(self.batch_size >= 1, "generate.batch_size", "must be >= 1")
         _check(self.shard_size >= 1, "generate.shard_size", "must be >= 1")
+        _check(0 <= self.store_top_k <= 1000, "generate.store_top_k", "must be in 0..1000 (0 = off; 20 is plenty)")
 
 
 @dataclass
@@ -102,9 +111,15 @@ class DistillConfig:
     """Stage 2: the drafter learns the target's next-token distributions."""
 
     loss: str = "fkl"  # fkl | rkl | jsd | tvd | ce
+    # online: the target scores every batch (no gradient); stored: use the top-k log-probs that
+    # generate.store_top_k kept (no target in memory, ~2x faster steps; divergences on k+1 buckets)
+    target_source: str = "online"
+    # GKD's lambda: share of batches the drafter answers itself (sampled) for the target to score
+    on_policy_fraction: float = 0.0
+    on_policy_temperature: float = 1.0
     jsd_beta: float = 0.5  # generalized JSD weight: 0 = forward KL, 1 = reverse KL (GKD)
     temperature: float = 1.0  # softmax temperature of both distributions in the loss
-    method: str = "lora"  # lora | full
+    method: str = "lora"  # lora | full | qlora (LoRA on a bitsandbytes 4-bit base; CUDA only)
     # With method=full: keep the input embeddings and LM head frozen (they are the target family's own,
     # 2 x 136M parameters in a Qwen 0.5B drafter) and train the decoder layers and final norm only.
     freeze_embeddings: bool = True
@@ -130,7 +145,16 @@ class DistillConfig:
         _check(self.loss in LOSSES, "distill.loss", f"must be one of {LOSSES}, got {self.loss!r}")
         _check(0.0 <= self.jsd_beta <= 1.0, "distill.jsd_beta", "must be in [0, 1]")
         _check(self.temperature > 0, "distill.temperature", "must be > 0")
-        _check(self.method in ("lora", "full"), "distill.method", "must be 'lora' or 'full'")
+        _check(self.method in ("lora", "full", "qlora"), "distill.method", "must be 'lora', 'full' or 'qlora'")
+        _check(self.target_source in ("online", "stored"), "distill.target_source", "must be 'online' or 'stored'")
+        _check(0.0 <= self.on_policy_fraction <= 1.0, "distill.on_policy_fraction", "must be in [0, 1] (GKD's lambda)")
+        _check(self.on_policy_temperature > 0, "distill.on_policy_temperature", "must be > 0")
+        _check(not (self.on_policy_fraction > 0 and self.target_source == "stored"), "distill.on_policy_fraction",
+               "on-policy answers are scored by the target online: set distill.target_source=online")
+        _check(not (self.on_policy_fraction > 0 and self.loss == "ce"), "distill.loss",
+               "ce learns the target's tokens, on-policy answers are the drafter's: use fkl, rkl, jsd or tvd")
+        _check(not (self.target_source == "stored" and self.temperature != 1.0), "distill.temperature",
+               "stored target log-probs are at temperature 1: keep distill.temperature=1 with target_source=stored")
         _check(self.lora_r >= 1, "distill.lora_r", "LoRA rank must be >= 1")
         _check(self.lora_alpha > 0, "distill.lora_alpha", "LoRA alpha must be > 0")
         _check(0.0 <= self.lora_dropout < 1.0, "distill.lora_dropout", "must be in [0, 1)")

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from decode.benchmark import benchmark, run_target_alone
 from decode.quantization import quantize_drafter, resolve_quantization
@@ -25,6 +24,7 @@ from distill.errors import DraftsmithError
 from distill.generate import load_generated
 from distill.models import eos_token_ids, load_model
 from distill.prompts import encode_prompt
+from distill.reduced_vocab import load_drafter
 from distill.report import write_report_markdown, write_report_plots
 from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
 from distill.tracking import make_logger, run_name
@@ -35,9 +35,11 @@ REPORT_MD = "report.md"
 
 
 def load_tuned_drafter(distill_dir: Path, dtype: str):
-    """The merged drafter of a finished distill run and its ``drafter_info.json``."""
+    """The merged drafter of a finished distill run (eval mode; reduced to its draft vocabulary when the
+    folder has ``draft_vocab.safetensors``, see :func:`distill.reduced_vocab.load_drafter`) and its
+    ``drafter_info.json``."""
     path = require_complete(distill_dir, "distill") / DRAFTER_DIR
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model = load_drafter(path, dtype)  # with its reduced vocabulary head if it was distilled with one
     return model, json.loads((path / DRAFTER_INFO).read_text())
 
 
@@ -99,7 +101,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         base, base_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
         base.eval()
-    vocab = min(m.get_output_embeddings().weight.shape[0] for m in (target, tuned, base) if m is not None)
+    vocab = min(m.get_output_embeddings().out_features for m in (target, tuned, base) if m is not None)
     quantization = resolve_quantization(dec.drafter_quantization, target.device)
     tuned_run = quantize_drafter(tuned, quantization)  # the drafter as the decoder runs it
     print(f"evaluate: target alone on {len(prompts)} held-out prompts")

@@ -23,6 +23,7 @@ from distill.errors import DraftsmithError
 from distill.evaluate import REPORT_JSON
 from distill.gguf_export import export_gguf
 from distill.models import resolve_model
+from distill.reduced_vocab import DRAFT_VOCAB_FILE
 from distill.rundir import StageRun, atomic_dir, find_latest, read_manifest, require_complete, resolve_input, write_text_atomic
 from distill.tracking import make_logger, run_name
 from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, _state_bytes
@@ -83,7 +84,27 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
         ]
     else:
         lines += ["No evaluation report was found for this drafter: run `draftsmith evaluate` to measure it.", ""]
+    if info.get("draft_vocab_size"):
+        lines += [
+            "## Reduced draft vocabulary", "",
+            f"Distilled with an EAGLE-3-style reduced vocabulary (Li et al. 2025, arXiv:2503.01840): its LM head "
+            f"predicts only the {info['draft_vocab_size']:,} most frequent tokens of the target's training answers. "
+            f"`{DRAFT_VOCAB_FILE}` holds the kept token ids (`draft_to_target`) and the reduced head weight; "
+            "draftsmith (`distill.models.load_model`, `distill.reduced_vocab.load_drafter`) applies it, so the head "
+            "runs over those rows only and every other token gets draft probability 0 (decoding stays lossless).", "",
+            "`transformers` (`from_pretrained`, `assistant_model=`), vLLM and other loaders ignore that file and load "
+            "this folder as an ordinary full-vocabulary drafter (the LM head's rows for the kept tokens equal the "
+            "reduced head, the others are the base model's); the GGUF file, if exported, is that full-vocabulary model too.",
+            "",
+        ]
     return "\n".join(lines)
+
+
+def _draft_vocab_size(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return int(handle.get_slice("draft_to_target").get_shape()[0])
 
 
 def check_export_destination(dest: Path, overwrite: bool) -> None:
@@ -135,6 +156,10 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
         write_text_atomic(tmp / DRAFTER_INFO, json.dumps(info, indent=2) + "\n")
+        if (src / DRAFT_VOCAB_FILE).is_file():  # EAGLE-3 reduced vocabulary: draftsmith's loaders apply it
+            shutil.copyfile(src / DRAFT_VOCAB_FILE, tmp / DRAFT_VOCAB_FILE)
+            info = {**info, "draft_vocab_size": info.get("draft_vocab_size")
+                    or _draft_vocab_size(src / DRAFT_VOCAB_FILE)}
         write_text_atomic(tmp / "README.md", model_card(info, report))
         # Prove the folder loads before it is published under its final name.
         reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)

@@ -6,7 +6,9 @@ everything that determines their content (target fingerprint, prompt ids,
 sampling settings, seed), so running the same command again after a crash
 reuses every finished shard and resumes at the first unfinished one.
 
-Output (run folder): ``dataset/`` (a ``datasets`` dataset, one row per prompt),
+Output (run folder): ``dataset/`` (a ``datasets`` dataset, one row per prompt; with
+``generate.store_top_k=k`` each row also holds the target's top-k token ids and
+log-probabilities at every completion position),
 ``eval_prompts.jsonl`` (the held-out evaluation prompts), ``manifest.json``, ``COMPLETE``.
 """
 
@@ -54,20 +56,28 @@ def _shard_key(fingerprint: str, prompts: list[Prompt], cfg: Config) -> str:
     payload = json.dumps({"target": fingerprint, "dtype": cfg.target.dtype, "prompts": [p.id for p in prompts],
                           "texts": texts,
                           "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p,
-                          "batch_size": g.batch_size, "shard_size": g.shard_size, "seed": cfg.data.seed})
+                          "batch_size": g.batch_size, "shard_size": g.shard_size, "seed": cfg.data.seed,
+                          # only when on, so shards written before the option existed stay valid
+                          **({"store_top_k": g.store_top_k} if g.store_top_k else {})})
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 @torch.inference_mode()
 def answer_batch(model, input_ids: list[list[int]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
-                 temperature: float, top_p: float) -> list[tuple[list[int], str]]:
+                 temperature: float, top_p: float, store_top_k: int = 0) -> list[dict]:
     """Answer a batch of tokenized prompts with ``model.generate`` (left-padded).
 
     Args:
         input_ids: ``batch`` prompts, each a list of token ids (ragged).
+        store_top_k: if > 0, also keep the target's k most likely tokens and their
+            log-probabilities (temperature 1, before any sampling warper) at every generated
+            position, for distillation without the target (``distill.target_source=stored``).
+
     Returns:
-        per prompt, ``(completion_ids, finish_reason)``: the new tokens up to and including the first
-        EOS, and ``"eos"`` or ``"length"``.
+        per prompt, a dict: ``completion_ids`` (the new tokens up to and including the first
+        EOS), ``finish_reason`` (``"eos"`` or ``"length"``) and, with ``store_top_k``,
+        ``top_k_ids`` (completion length x k ints) and ``top_k_logprobs`` (same shape, float32,
+        nats, descending), row j being the distribution that token j was drawn from.
     """
     width = max(len(ids) for ids in input_ids)
     batch = torch.full((len(input_ids), width), pad_id, dtype=torch.long)
@@ -78,16 +88,24 @@ def answer_batch(model, input_ids: list[list[int]], *, pad_id: int, eos_ids: lis
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     out = model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         eos_token_id=eos_ids, pad_token_id=pad_id, **sampling)
+                         eos_token_id=eos_ids, pad_token_id=pad_id, return_dict_in_generate=True,
+                         output_logits=store_top_k > 0, **sampling)
+    top_ids = top_logprobs = None
+    if store_top_k > 0:
+        # out.logits: one (batch, vocab) tensor of raw logits per generated position
+        steps = [torch.log_softmax(step.float(), dim=-1).topk(store_top_k, dim=-1) for step in out.logits]
+        top_logprobs = torch.stack([s.values for s in steps], dim=1)  # (batch, new, k)
+        top_ids = torch.stack([s.indices for s in steps], dim=1)
     results = []
     eos = set(eos_ids)
-    for row in out[:, width:].tolist():
-        for i, tok in enumerate(row):
-            if tok in eos:
-                results.append((row[: i + 1], "eos"))
-                break
-        else:
-            results.append((row, "length"))
+    for b, row in enumerate(out.sequences[:, width:].tolist()):
+        end = next((i + 1 for i, tok in enumerate(row) if tok in eos), None)
+        answer = {"completion_ids": row[:end] if end else row, "finish_reason": "eos" if end else "length"}
+        if store_top_k > 0:
+            n = len(answer["completion_ids"])
+            answer["top_k_ids"] = top_ids[b, :n].tolist()
+            answer["top_k_logprobs"] = top_logprobs[b, :n].tolist()
+        results.append(answer)
     return results
 
 
@@ -142,12 +160,13 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             idx = list(range(b, min(b + g.batch_size, start + g.shard_size, len(train))))
             t = time.perf_counter()
             answers = answer_batch(model, [encoded[i] for i in idx], pad_id=pad_id, eos_ids=eos_ids,
-                                   max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p)
+                                   max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                   store_top_k=g.store_top_k)
             gen_s += time.perf_counter() - t
-            for i, (completion, reason) in zip(idx, answers):
-                new_tokens += len(completion)
+            for i, answer in zip(idx, answers):
+                new_tokens += len(answer["completion_ids"])
                 rows.append({"prompt_id": train[i].id, "source": train[i].source, "category": train[i].category,
-                             "prompt_ids": encoded[i], "completion_ids": completion, "finish_reason": reason,
+                             "prompt_ids": encoded[i], **answer,
                              "temperature": g.temperature, "top_p": g.top_p,
                              "target_fingerprint": resolved.fingerprint})
             bar.update(len(idx))
@@ -177,6 +196,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         target={"name": cfg.target.name, "fingerprint": resolved.fingerprint, "source": resolved.source,
                 "dtype": cfg.target.dtype},
         num_train_prompts=len(train), num_eval_prompts=len(held_out), shard_cache=str(shard_root),
+        store_top_k=g.store_top_k,
         completion_tokens=sum(len(x) for x in lengths),
         finished_with_eos=sum(r == "eos" for r in dataset["finish_reason"]),
         skipped_prompt_lines=skipped,

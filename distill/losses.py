@@ -113,12 +113,27 @@ def per_token_divergence(
                          f"{tuple(target_logits.shape)} differ before the vocabulary dimension")
     student_logp, target_logp = _log_probs(student_logits, target_logits, temperature)
     if kind == "ce":
-        if labels is None:
-            raise ValueError("kind='ce' needs labels (the target's tokens, shifted by one)")
-        if labels.numel() and int(labels.max()) >= student_logp.shape[-1]:
-            raise ValueError(f"label {int(labels.max())} is outside the common vocabulary of "
-                             f"{student_logp.shape[-1]} tokens")
-        return -student_logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+        return _cross_entropy(student_logp, labels)
+    return divergence_from_log_probs(student_logp, target_logp, kind=kind, jsd_beta=jsd_beta)
+
+
+def divergence_from_log_probs(student_logp: torch.Tensor, target_logp: torch.Tensor, *, kind: str,
+                              jsd_beta: float = 0.5) -> torch.Tensor:
+    """The divergences of :func:`distillation_loss` between two normalised log-distributions.
+
+    Args:
+        student_logp, target_logp: ``(..., n)`` float32 log-probabilities over the same ``n``
+            outcomes (a vocabulary, or the ``k + 1`` buckets of :func:`top_k_log_probs`);
+            ``-inf`` marks an outcome of probability 0.
+        kind: ``"fkl"``, ``"rkl"``, ``"jsd"`` or ``"tvd"`` (``"ce"`` needs token labels: use
+            :func:`per_token_divergence`).
+
+    Returns:
+        float32 ``(...)``, nats (TVD: a probability in [0, 1]).
+    """
+    _check_args(kind, jsd_beta, 1.0)
+    if kind == "ce":
+        raise ValueError("kind='ce' is a loss on token labels, not a divergence between distributions")
     if kind == "fkl":
         return _kl(target_logp, student_logp)
     if kind == "rkl":
@@ -134,6 +149,101 @@ def per_token_divergence(
         torch.stack([target_logp + math.log(jsd_beta), student_logp + math.log1p(-jsd_beta)]), dim=0)
     jsd = jsd_beta * _kl(target_logp, mixture_logp) + (1.0 - jsd_beta) * _kl(student_logp, mixture_logp)
     return jsd / (jsd_beta * (1.0 - jsd_beta))
+
+
+def top_k_log_probs(
+    student_logits: torch.Tensor,
+    top_k_ids: torch.Tensor,
+    top_k_logprobs: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both distributions coarsened to the target's stored top-k tokens plus one "rest" bucket.
+
+    ``generate.store_top_k`` keeps only the target's k most likely tokens per position, so the
+    full target distribution p is unknown. Rather than renormalising p over the k tokens (which
+    pretends the rest has probability 0 and lets the drafter put its remaining mass anywhere),
+    both distributions are mapped onto the same ``k + 1`` outcomes: the k stored tokens and
+    "any other token", with masses ``1 - sum_topk p`` and ``1 - sum_topk q``. Every divergence
+    of :func:`divergence_from_log_probs` on these coarsened distributions is exact when the
+    rest of p is 0 and otherwise a lower bound of the full-vocabulary one (data-processing
+    inequality: merging outcomes never increases an f-divergence; Cover & Thomas, Thm. 2.8.1),
+    so ``1 - TVD`` here is an upper bound of the true acceptance probability. With k = 20 the
+    rest of a code model's distribution is usually below 1e-3.
+
+    The stored log-probabilities are the target's at temperature 1; the student is scaled by
+    ``temperature``, so use 1 (the default) unless you mean to compare unlike temperatures.
+
+    Args:
+        student_logits: ``(..., vocab)`` drafter logits, any float dtype.
+        top_k_ids: ``(..., k)`` int64 token ids stored by generate, each < vocab.
+        top_k_logprobs: ``(..., k)`` the target's log-probabilities of those tokens (<= 0,
+            summing to <= 1 in probability).
+        temperature: > 0, applied to the student only.
+
+    Returns:
+        ``(student_logp, target_logp)``, each ``(..., k + 1)`` float32; the last column is the
+        rest bucket. The target's rest mass is floored at 1e-7 (float32 rounding can push
+        ``1 - sum`` to 0 or below), so reverse KL stays finite; when the k ids cover the whole
+        vocabulary both rests are 0.
+
+    Raises:
+        ValueError: mismatched shapes, an id outside the student's vocabulary, temperature <= 0.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if top_k_ids.shape != top_k_logprobs.shape or top_k_ids.shape[:-1] != student_logits.shape[:-1]:
+        raise ValueError(f"student logits {tuple(student_logits.shape)}, top-k ids {tuple(top_k_ids.shape)} and "
+                         f"top-k log-probs {tuple(top_k_logprobs.shape)} must agree except in the last dimension")
+    if top_k_ids.numel() and int(top_k_ids.max()) >= student_logits.shape[-1]:
+        raise ValueError(f"stored token id {int(top_k_ids.max())} is outside the drafter's vocabulary of "
+                         f"{student_logits.shape[-1]}")
+    ids = top_k_ids.long()
+    full = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    student_top = full.gather(-1, ids)
+    # the drafter's rest mass, summed directly over the other tokens (exact, no 1 - sum cancellation)
+    student_rest = torch.logsumexp(full.scatter(-1, ids, float("-inf")), dim=-1, keepdim=True)
+    target_top = top_k_logprobs.float()
+    target_rest = torch.log((1.0 - target_top.exp().sum(-1, keepdim=True)).clamp(min=1e-7))
+    # k covers the whole vocabulary: nothing is left over on either side
+    target_rest = torch.where(torch.isneginf(student_rest), student_rest, target_rest)
+    return torch.cat([student_top, student_rest], -1), torch.cat([target_top, target_rest], -1)
+
+
+def top_k_distillation_loss(
+    student_logits: torch.Tensor,
+    top_k_ids: torch.Tensor,
+    top_k_logprobs: torch.Tensor,
+    *,
+    kind: str,
+    jsd_beta: float = 0.5,
+    temperature: float = 1.0,
+    labels: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position loss and expected acceptance against stored top-k target log-probabilities.
+
+    Args:
+        student_logits: ``(N, vocab)`` drafter logits at the N loss positions.
+        top_k_ids, top_k_logprobs: ``(N, k)``, see :func:`top_k_log_probs`.
+        kind, jsd_beta, temperature: as in :func:`distillation_loss` (``"ce"`` uses ``labels``
+            and the full student distribution; the stored target is then unused).
+        labels: ``(N,)`` int64 next tokens, for ``kind="ce"``.
+
+    Returns:
+        ``(loss, acceptance)``, each ``(N,)`` float32: the divergence on the coarsened
+        distributions (nats) and ``1 - TVD`` on them (an upper bound of the true acceptance
+        probability, see :func:`top_k_log_probs`); acceptance carries no gradient.
+    """
+    _check_args(kind, jsd_beta, temperature)
+    student_logp, target_logp = top_k_log_probs(student_logits, top_k_ids, top_k_logprobs, temperature=temperature)
+    if kind == "ce":
+        full = F.log_softmax(student_logits.float() / temperature, dim=-1)
+        loss = _cross_entropy(full, labels)
+    else:
+        loss = divergence_from_log_probs(student_logp, target_logp, kind=kind, jsd_beta=jsd_beta)
+    with torch.no_grad():
+        tvd = divergence_from_log_probs(student_logp.detach(), target_logp, kind="tvd")
+    return loss, (1.0 - tvd).clamp(0.0, 1.0)
 
 
 def expected_acceptance(
@@ -179,6 +289,15 @@ def _masked_per_token(student_logits, target_logits, mask, *, kind, jsd_beta, te
         labels = labels[mask]
     return per_token_divergence(student_logits[mask], target_logits[mask], kind=kind, jsd_beta=jsd_beta,
                                 temperature=temperature, labels=labels)
+
+
+def _cross_entropy(student_logp: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    if labels is None:
+        raise ValueError("kind='ce' needs labels (the target's tokens, shifted by one)")
+    if labels.numel() and int(labels.max()) >= student_logp.shape[-1]:
+        raise ValueError(f"label {int(labels.max())} is outside the common vocabulary of "
+                         f"{student_logp.shape[-1]} tokens")
+    return -student_logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
 
 
 def _log_probs(student_logits, target_logits, temperature):

@@ -472,16 +472,20 @@ def _sha256_text(text: str) -> str:
 # loading
 
 
-def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None = None):
+def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None = None, **from_pretrained):
     """Resolve (if needed) and load a model and its tokenizer, in eval mode.
 
     Args:
         name_or_resolved: anything ``resolve_model`` accepts, or a ResolvedModel.
         dtype: "float32" | "bfloat16" | "float16" (or fp32/bf16/fp16, or a torch.dtype).
+        from_pretrained: extra keyword arguments for ``AutoModelForCausalLM.from_pretrained``
+            (e.g. ``quantization_config``, ``device_map``).
 
     Returns:
         (model, tokenizer, resolved). The model's generation_config.eos_token_id
-        includes the chat end tokens (151645 and 151643 for Qwen).
+        includes the chat end tokens (151645 and 151643 for Qwen). A folder holding
+        ``draft_vocab.safetensors`` (a drafter distilled with ``drafter.draft_vocab_size``) comes
+        back with its reduced LM head (:mod:`distill.reduced_vocab`).
 
     Raises:
         ConfigError: unknown dtype. Plus whatever ``resolve_model`` raises.
@@ -495,7 +499,7 @@ def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None 
     else:
         resolved = resolve_model(name_or_resolved, cache_dir=cache_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype, **from_pretrained)
         tokenizer = AutoTokenizer.from_pretrained(resolved.path)
     except OSError as exc:
         raise ModelIntegrityError(
@@ -504,6 +508,13 @@ def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None 
         ) from exc
     model.eval()
     ensure_chat_eos(model, tokenizer)
+    # a distilled drafter folder with an EAGLE-3 reduced vocabulary (draft_vocab.safetensors): reduce it again
+    from distill.reduced_vocab import apply_saved_draft_vocab
+
+    try:
+        apply_saved_draft_vocab(model, resolved.path)
+    except ValueError as exc:
+        raise ModelIntegrityError(f"{resolved.name!r}: {exc}") from exc
     return model, tokenizer, resolved
 
 

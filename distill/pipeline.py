@@ -24,7 +24,7 @@ from distill.generate import run_generate
 from distill.models import resolve_model
 from distill.report import write_report_markdown
 from distill.rundir import read_manifest, write_json_atomic
-from distill.train_stage import check_tokenizers, run_distill
+from distill.train_stage import check_qlora, check_tokenizers, run_distill
 
 
 def _release_memory() -> None:
@@ -40,12 +40,17 @@ def preflight(cfg: Config, export_run: Path) -> None:
     """Checks that would otherwise fail a later stage after the earlier ones did their work.
 
     Raises:
-        ConfigError: fp16 training without CUDA.
+        ConfigError: fp16 training or QLoRA without CUDA; stored target log-probs that generate
+            would not store.
         DraftsmithError: the export destination is taken.
         TokenizerMismatchError: target and drafter cannot share tokens (tokenizers only, no weights loaded).
     """
     if cfg.distill.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=bf16 or no")
+    if cfg.distill.target_source == "stored" and cfg.generate.store_top_k == 0:
+        raise ConfigError("distill.target_source=stored trains on the target's stored top-k log-probs: "
+                          "add generate.store_top_k=20")
+    check_qlora(cfg)
     check_export_destination(Path(cfg.export.path) if cfg.export.path else export_run / EXPORT_DIR,
                              cfg.export.overwrite)
     target = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)

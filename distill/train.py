@@ -41,7 +41,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from distill.errors import DiskFullError, DraftsmithError
-from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance
+from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
+from distill.reduced_vocab import draft_vocabulary_of, restrict_logits
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ def train_drafter(
     logger: Any = None,
     progress: bool = True,
     mixed_precision: str = "no",
+    on_policy_fraction: float = 0.0,
+    on_policy_temperature: float = 1.0,
+    eos_token_ids: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Distil ``target`` into ``drafter`` on the target's answers; the drafter is trained in place.
 
@@ -93,6 +97,18 @@ def train_drafter(
     and norms), linear warmup over ``warmup_steps`` then linear decay to 0 at ``max_steps``,
     gradient norm clipped to 1.0. Runs under ``accelerate.Accelerator`` (CPU or one GPU; the
     target is moved to the accelerator's device unless it has an ``hf_device_map``).
+
+    Several processes (``torchrun --nproc_per_node N`` or ``accelerate launch --multi_gpu
+    --num_processes N``; DDP; on CPU over gloo, with ``ACCELERATE_USE_CPU=1``):
+    every process calls this with the same models, examples and arguments; process r takes batches
+    r, r + N, ... of the example stream, so a step consumes ``N * batch_size * grad_accum`` examples.
+    DDP averages the gradients over processes, and each process weights its loss by
+    ``N * its tokens / all processes' tokens`` (an all-reduce of the token counts), so the step is
+    the token-weighted mean over all processes' completion tokens, exactly as one process with
+    ``N * batch_size`` would take it. The weights stay identical on every process. Metrics and
+    results (loss, tokens, ``tokens_seen``) are those of all processes together; only the main
+    process writes ``metrics.jsonl``, logs to ``logger``, shows the bar and writes checkpoints.
+    A checkpoint resumes only with the same number of processes.
 
     Data order: epoch e visits the examples in ``numpy.random.default_rng([seed, e])
     .permutation(n)``; batches run across epoch boundaries until ``max_steps``. A resumed run
@@ -130,6 +146,19 @@ def train_drafter(
         mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"``: accelerate runs the drafter's forward
             under autocast (weights and optimizer stay float32). bf16 is about 2x faster on CPUs
             with AMX/AVX512-BF16 and on GPUs.
+        on_policy_fraction: lambda of GKD (Agarwal et al. 2024, Algorithm 1), in [0, 1]: each
+            micro-batch is, with this probability, answered by the drafter itself (sampled at
+            ``on_policy_temperature``, as many new tokens as the longest stored answer of the
+            batch) and the target scores those tokens; otherwise the stored answers are used.
+            The draw is seeded by (seed, step, micro-batch), so a resumed run repeats it.
+            Needs the online target (``target`` not None) and a divergence loss (not ``"ce"``).
+        on_policy_temperature: > 0, the drafter's sampling temperature for on-policy answers.
+        eos_token_ids: ids that end an on-policy answer (default: the drafter's
+            ``generation_config.eos_token_id``).
+
+    Stored targets: when the examples carry ``top_k_ids``/``top_k_logprobs``
+    (``generate.store_top_k``), the loss uses them instead of a target forward
+    (:func:`distill.losses.top_k_distillation_loss`) and ``target`` may be None.
 
     Returns:
         ``steps``, ``final_loss``, ``mean_loss_last_10`` (plain mean over the last 10 steps),
@@ -146,9 +175,10 @@ def train_drafter(
     _check_args(spec, lr=lr, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum,
                 max_seq_len=max_seq_len, warmup_steps=warmup_steps, seed=seed,
                 checkpoint_every=checkpoint_every)
+    _check_target_source(examples, target, loss, on_policy_fraction, on_policy_temperature)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    pad_token_id = _default_pad_id(target) if pad_token_id is None else pad_token_id
+    pad_token_id = _default_pad_id(target if target is not None else drafter) if pad_token_id is None else pad_token_id
     run = _setup(drafter, target, examples, spec=spec, lr=lr, max_steps=max_steps, batch_size=batch_size,
                  grad_accum=grad_accum, max_seq_len=max_seq_len, warmup_steps=warmup_steps,
                  weight_decay=weight_decay, seed=seed, resume_from=resume_from, pad_token_id=pad_token_id,
@@ -163,9 +193,13 @@ def train_drafter(
     batches = iter(run.loader)  # before restoring the RNG: creating an iterator may draw from it
     if run.state is not None:
         _set_rng_state(run.state["rng"])
-    history = _restart_metrics(output_dir, run.start_step)
-    metrics_file = (output_dir / METRICS_FILE).open("a", encoding="utf-8")
-    bar = _progress_bar(progress, run.start_step, max_steps)
+    # Several processes (DDP): only the main one writes metrics, logs and shows a bar; every process
+    # keeps the same history (the records hold all processes' figures).
+    is_main = accelerator.is_main_process
+    history = _restart_metrics(output_dir, run.start_step, write=is_main)
+    metrics_file = (output_dir / METRICS_FILE).open("a", encoding="utf-8") if is_main else None
+    logger = logger if is_main else None
+    bar = _progress_bar(progress and is_main, run.start_step, max_steps)
     examples_seen, tokens_seen = run.examples_seen, run.tokens_seen
     checkpoint = Path(resume_from) if resume_from is not None else None
     call_tokens, t_start = 0, time.perf_counter()
@@ -173,7 +207,17 @@ def train_drafter(
         for step in range(run.start_step + 1, max_steps + 1):
             t0, lr_now, grad_norm = time.perf_counter(), scheduler.get_last_lr()[0], float("nan")
             micro_batches = [next(batches) for _ in range(grad_accum)]
+            if on_policy_fraction > 0:
+                micro_batches = [
+                    _on_policy_batch(accelerator.unwrap_model(drafter), batch, pad_token_id=pad_token_id,
+                                     eos_token_ids=eos_token_ids, temperature=on_policy_temperature,
+                                     max_seq_len=max_seq_len)
+                    if _draw(seed, step, i) < on_policy_fraction else batch
+                    for i, batch in enumerate(micro_batches)]
             step_tokens = sum(int(b["loss_mask"].sum()) for b in micro_batches)
+            # DDP averages gradients over processes: weighting by the tokens of *all* processes (times
+            # their number) makes the synchronised step the token-weighted mean over every process's tokens
+            all_tokens = int(_sum_over_processes(accelerator, [step_tokens])[0])
             loss_sum = accept_sum = 0.0
             for batch in micro_batches:
                 with accelerator.accumulate(drafter):
@@ -181,7 +225,8 @@ def train_drafter(
                     _check_finite("distillation loss", loss_value.item(), step, checkpoint)
                     tokens = int(batch["loss_mask"].sum())
                     # accelerate divides by grad_accum; this makes the step the token-weighted mean
-                    accelerator.backward(loss_value * (tokens * grad_accum / max(step_tokens, 1)))
+                    accelerator.backward(loss_value * (tokens * grad_accum * accelerator.num_processes
+                                                       / max(all_tokens, 1)))
                     if accelerator.sync_gradients:
                         grad_norm = float(accelerator.clip_grad_norm_(run.params, MAX_GRAD_NORM))
                         _check_finite("gradient norm", grad_norm, step, checkpoint)
@@ -190,7 +235,10 @@ def train_drafter(
                         optimizer.zero_grad(set_to_none=True)
                 loss_sum += loss_value.item() * tokens
                 accept_sum += accept
-            examples_seen += batch_size * grad_accum
+            # figures of the whole step, all processes together (the stream advances by all their batches)
+            loss_sum, accept_sum = _sum_over_processes(accelerator, [loss_sum, accept_sum])
+            step_tokens = all_tokens
+            examples_seen += batch_size * grad_accum * accelerator.num_processes
             tokens_seen += step_tokens
             call_tokens += step_tokens
             record = {"step": step, "loss": loss_sum / max(step_tokens, 1), "lr": lr_now, "tokens": step_tokens,
@@ -203,7 +251,8 @@ def train_drafter(
                                               tokens_seen=tokens_seen)
     finally:
         train_s = time.perf_counter() - t_start
-        metrics_file.close()
+        if metrics_file is not None:
+            metrics_file.close()
         bar.close()
         run.loader.end()  # the stream is infinite: tell accelerate we left it
         accelerator.free_memory()
@@ -264,7 +313,7 @@ def validate(
     spec = LossSpec(loss, jsd_beta, temperature)
     _check_args(spec)
     examples = _usable_examples(examples, max_seq_len)
-    pad_token_id = _default_pad_id(target) if pad_token_id is None else pad_token_id
+    pad_token_id = _default_pad_id(target if target is not None else drafter) if pad_token_id is None else pad_token_id
     was_training = drafter.training
     drafter.eval()
     loss_sum = accept_sum = 0.0
@@ -290,13 +339,25 @@ def collate(examples: Sequence[dict], *, pad_token_id: int, max_seq_len: int) ->
     Returns ``input_ids`` (B, T) int64, ``attention_mask`` (B, T) int64, ``labels`` (B, T) int64
     (the next token; ``pad_token_id`` at the last position) and ``loss_mask`` (B, T) bool, True
     at the positions whose next token is a completion token (prompt and padding masked).
-    T is the longest sequence in the batch after truncation to ``max_seq_len``.
+    T is the longest sequence in the batch after truncation to ``max_seq_len``. When the
+    examples carry ``top_k_ids``/``top_k_logprobs`` (``generate.store_top_k``), also
+    ``top_k_ids`` (N, k) int64 and ``top_k_logprobs`` (N, k) float32 for the N = ``loss_mask.sum()``
+    loss positions in row-major order (the order of ``labels[loss_mask]``).
     """
-    seqs, prompt_lens = [], []
+    seqs, prompt_lens, top_ids, top_logprobs = [], [], [], []
+    stored = [ex.get("top_k_ids") is not None for ex in examples]
+    if any(stored) and not all(stored):
+        raise DraftsmithError("some examples carry stored top-k target log-probabilities and some do not: "
+                              "regenerate the data with one generate.store_top_k")
     for ex in examples:
         prompt, completion = _truncate(list(ex["prompt_ids"]), list(ex["completion_ids"]), max_seq_len)
         seqs.append(prompt + completion)
         prompt_lens.append(len(prompt))
+        if all(stored) and examples:
+            # row j is the target's distribution over completion token j; the loss positions of
+            # this sequence predict completion tokens 0..len-1 in order (row-major, as labels[mask])
+            top_ids.append(torch.as_tensor(ex["top_k_ids"][:len(completion)], dtype=torch.long))
+            top_logprobs.append(torch.as_tensor(ex["top_k_logprobs"][:len(completion)], dtype=torch.float32))
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
@@ -308,7 +369,15 @@ def collate(examples: Sequence[dict], *, pad_token_id: int, max_seq_len: int) ->
         labels[i, :len(seq) - 1] = ids[1:]
         attention_mask[i, :len(seq)] = 1
         loss_mask[i, max(prompt_len - 1, 0):len(seq) - 1] = True
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "loss_mask": loss_mask}
+        if top_ids:  # an empty prompt has no position before its first completion token
+            skip = len(seq) - 1 - max(prompt_len - 1, 0)
+            top_ids[i], top_logprobs[i] = top_ids[i][-skip:] if skip else top_ids[i][:0], \
+                top_logprobs[i][-skip:] if skip else top_logprobs[i][:0]
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "loss_mask": loss_mask}
+    if top_ids:
+        batch["top_k_ids"] = torch.cat(top_ids)  # (N, k), N = loss_mask.sum()
+        batch["top_k_logprobs"] = torch.cat(top_logprobs)
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,17 +406,21 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
     from transformers import get_linear_schedule_with_warmup
 
     examples = _usable_examples(examples, max_seq_len)
+    accelerator = Accelerator(gradient_accumulation_steps=grad_accum, mixed_precision=mixed_precision)
+    _check_processes(accelerator)
     data_key = {"seed": seed, "batch_size": batch_size, "grad_accum": grad_accum,
-                "num_examples": len(examples), "max_seq_len": max_seq_len}
+                "num_examples": len(examples), "max_seq_len": max_seq_len,
+                # each process takes its own batches: N processes make a step of N * batch_size * grad_accum
+                "num_processes": accelerator.num_processes}
     state = None
     if resume_from is not None:
         state = _read_state(Path(resume_from), data_key)
         _load_weights(drafter, Path(resume_from))
     else:
         set_seed(seed)
-    accelerator = Accelerator(gradient_accumulation_steps=grad_accum, mixed_precision=mixed_precision)
-    _place_target(target, accelerator.device)
-    target.eval()
+    if target is not None:
+        _place_target(target, accelerator.device)
+        target.eval()
     drafter.train()
 
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -370,8 +443,12 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
     # would step once per process).
     drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
     if state is not None:
-        optimizer.load_state_dict(torch.load(Path(resume_from) / "optimizer.pt", weights_only=True))
-        scheduler.load_state_dict(torch.load(Path(resume_from) / "scheduler.pt", weights_only=True))
+        # map to the CPU: the main process saved them from its device (load_state_dict moves the
+        # optimizer state to each parameter's device), so other processes do not allocate on it
+        optimizer.load_state_dict(torch.load(Path(resume_from) / "optimizer.pt", map_location="cpu",
+                                             weights_only=True))
+        scheduler.load_state_dict(torch.load(Path(resume_from) / "scheduler.pt", map_location="cpu",
+                                             weights_only=True))
         # re-evaluate the lr at the saved step under *this* schedule (max_steps may have grown)
         scheduler.last_epoch -= 1
         scheduler.step()
@@ -399,7 +476,11 @@ def _usable_examples(examples: Sequence[dict], max_seq_len: int) -> list[dict]:
     for ex in examples:
         prompt, completion = _truncate(list(ex["prompt_ids"]), list(ex["completion_ids"]), max_seq_len)
         if len(prompt) + len(completion) - 1 - max(len(prompt) - 1, 0) > 0:
-            usable.append({"prompt_ids": prompt, "completion_ids": completion})
+            kept = {"prompt_ids": prompt, "completion_ids": completion}
+            if ex.get("top_k_ids") is not None:
+                kept.update(top_k_ids=ex["top_k_ids"][:len(completion)],
+                            top_k_logprobs=ex["top_k_logprobs"][:len(completion)])
+            usable.append(kept)
     if not usable:
         raise DraftsmithError(f"none of the {len(examples)} examples has a completion token to learn "
                               "from: check the generate stage output (empty answers?) or raise max_seq_len")
@@ -423,7 +504,8 @@ def _truncate(prompt: list[int], completion: list[int], max_seq_len: int) -> tup
 
 
 def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tensor, float]:
-    """One forward of both models on ``batch``.
+    """One forward of both models on ``batch`` (of the drafter only, when the batch carries the
+    target's stored top-k log-probabilities: :func:`distill.losses.top_k_distillation_loss`).
 
     Both LM heads run only at the ``N`` masked (completion) positions (``logits_to_keep`` as a
     boolean mask), so logits are ``(N, V)`` rather than ``(B, T, V)``: with a 152k vocabulary the
@@ -434,6 +516,15 @@ def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tens
     """
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     keep = batch["loss_mask"]
+    if "top_k_ids" in batch:  # stored target distributions: no target forward at all
+        student_logits = drafter(**inputs, use_cache=False, logits_to_keep=keep).logits
+        per_token, accept = top_k_distillation_loss(
+            student_logits, batch["top_k_ids"].to(student_logits.device),
+            batch["top_k_logprobs"].to(student_logits.device), kind=spec.kind, jsd_beta=spec.jsd_beta,
+            temperature=spec.temperature, labels=batch["labels"][keep])
+        if per_token.numel() == 0:
+            return student_logits.float().sum() * 0.0, 0.0
+        return per_token.mean(), accept.sum().item()
     with torch.no_grad():
         target_device = _device(target)
         target_logits = target(**{k: v.to(target_device) for k, v in inputs.items()}, use_cache=False,
@@ -444,12 +535,75 @@ def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tens
     target_logits = target_logits.to(student_logits.device).unsqueeze(0)
     mask = torch.ones(student_logits.shape[:2], dtype=torch.bool, device=student_logits.device)
     labels = batch["labels"][keep].unsqueeze(0)
+    acceptance_of = student_logits, target_logits, mask  # full vocabulary: a reduced drafter has q = 0 outside its set
+    if (draft_ids := draft_vocabulary_of(drafter)) is not None:  # EAGLE-3: the loss on the draft vocabulary only
+        student_logits, target_logits, labels, mask = restrict_logits(
+            student_logits, target_logits, draft_ids, labels=labels if spec.kind == "ce" else None, mask=mask)
     loss = distillation_loss(student_logits, target_logits, mask, kind=spec.kind,
                              jsd_beta=spec.jsd_beta, temperature=spec.temperature, labels=labels)
     with torch.no_grad():
-        accept = expected_acceptance(student_logits.detach(), target_logits, mask,
+        accept = expected_acceptance(acceptance_of[0].detach(), *acceptance_of[1:],
                                      temperature=spec.temperature).sum().item()
     return loss, accept
+
+
+# ---------------------------------------------------------------------------------------------
+# on-policy data (GKD)
+
+
+def _draw(seed: int, step: int, micro: int) -> float:
+    """Uniform [0, 1) draw for (seed, step, micro-batch): independent of the torch RNG, so a
+    resumed run makes the same on-policy choices."""
+    return float(np.random.default_rng([seed, step, micro, 7919]).random())
+
+
+@torch.no_grad()
+def _on_policy_batch(drafter, batch: dict, *, pad_token_id: int, eos_token_ids: Sequence[int],
+                     temperature: float, max_seq_len: int) -> dict:
+    """The batch with its completions replaced by the drafter's own samples (GKD's student data).
+
+    Prompts are the batch's prompt tokens (left-padded for ``generate``); each new answer gets as
+    many tokens as the longest stored completion of the batch (within ``max_seq_len``) and stops
+    at EOS. Returns a freshly collated batch on the same device (no stored top-k: the target
+    scores the new tokens online).
+    """
+    device = batch["input_ids"].device
+    prompts, budget = [], 1
+    for ids, mask, keep in zip(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]):
+        length = int(mask.sum())
+        first = int(keep.nonzero()[0]) + 1 if bool(keep.any()) else length  # first completion token
+        prompts.append(ids[:first].tolist())
+        budget = max(budget, length - first)
+    budget = max(1, min(budget, max_seq_len - max(len(p) for p in prompts)))
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
+    attention = torch.zeros_like(input_ids)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, device=device)
+        attention[row, width - len(ids):] = 1
+    eos = list(eos_token_ids) or _eos_ids(drafter)
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        out = drafter.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=budget,
+                               do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                               eos_token_id=eos or None, pad_token_id=pad_token_id)
+    finally:
+        drafter.train(was_training)
+    examples = []
+    for prompt, row in zip(prompts, out[:, width:].tolist()):
+        end = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
+        examples.append({"prompt_ids": prompt, "completion_ids": row[:end] or [pad_token_id]})
+    fresh = collate(examples, pad_token_id=pad_token_id, max_seq_len=max_seq_len)
+    return {k: v.to(device) for k, v in fresh.items()}
+
+
+def _eos_ids(model) -> list[int]:
+    config = getattr(model, "generation_config", None)
+    value = getattr(config, "eos_token_id", None)
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,8 +611,9 @@ def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tens
 
 
 def _log_step(record: dict, metrics_file, logger, bar) -> None:
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()
+    if metrics_file is not None:  # None on the non-main processes of a multi-process run
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
     if logger is not None:
         logger.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
     bar.update(1)
@@ -472,15 +627,20 @@ def _progress_bar(enabled: bool, start: int, total: int):
     return tqdm(total=total, initial=start, disable=not enabled, desc="distill", unit="step", dynamic_ncols=True)
 
 
-def _restart_metrics(output_dir: Path, start_step: int) -> list[float]:
-    """Keep the metrics of steps <= start_step (drop those of a crashed continuation); return their losses."""
+def _restart_metrics(output_dir: Path, start_step: int, write: bool = True) -> list[float]:
+    """Keep the metrics of steps <= start_step (drop those of a crashed continuation); return their losses.
+
+    ``write=False`` (the non-main processes of a multi-process run) only reads: the main process
+    rewrites the file atomically, so a reader sees the old or the new file, and both hold the kept lines.
+    """
     path = output_dir / METRICS_FILE
     kept: list[str] = []
     if start_step > 0 and path.exists():
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip() and json.loads(line).get("step", 0) <= start_step:
                 kept.append(line)
-    _atomic_write_text(path, "".join(line + "\n" for line in kept))
+    if write:
+        _atomic_write_text(path, "".join(line + "\n" for line in kept))
     return [json.loads(line)["loss"] for line in kept]
 
 
@@ -537,7 +697,8 @@ def _read_state(path: Path, data_key: dict) -> dict:
     state = json.loads(state_path.read_text(encoding="utf-8"))
     if state.get("format") != STATE_FORMAT:
         raise DraftsmithError(f"{state_path} has format {state.get('format')}, expected {STATE_FORMAT}: start fresh")
-    changed = {k: (state["data"].get(k), v) for k, v in data_key.items() if state["data"].get(k) != v}
+    saved = {"num_processes": 1, **state["data"]}  # checkpoints from before multi-process training
+    changed = {k: (saved.get(k), v) for k, v in data_key.items() if saved.get(k) != v}
     if changed:
         detail = ", ".join(f"{k}: checkpoint {old} vs now {new}" for k, (old, new) in changed.items())
         raise DraftsmithError(f"cannot resume from {path}: the data order would change ({detail}); "
@@ -624,6 +785,23 @@ def _check_args(spec: LossSpec, **kw) -> None:
             raise ValueError(f"{name} must be {limit}, got {value}")
 
 
+def _check_target_source(examples, target, loss: str, on_policy_fraction: float, temperature: float) -> None:
+    stored = bool(examples) and examples[0].get("top_k_ids") is not None
+    if not 0.0 <= on_policy_fraction <= 1.0:
+        raise ValueError(f"on_policy_fraction must be in [0, 1], got {on_policy_fraction}")
+    if not temperature > 0:
+        raise ValueError(f"on_policy_temperature must be > 0, got {temperature}")
+    if target is None and not stored:
+        raise ValueError("no target model and no stored top-k target log-probabilities in the examples: "
+                         "pass the target, or generate the data with generate.store_top_k > 0")
+    if on_policy_fraction > 0 and target is None:
+        raise ValueError("on-policy data (on_policy_fraction > 0) needs the online target to score the "
+                         "drafter's answers: pass the target (distill.target_source=online)")
+    if on_policy_fraction > 0 and loss == "ce":
+        raise ValueError("loss 'ce' learns the target's tokens; on-policy answers are the drafter's own: "
+                         "use fkl, rkl, jsd or tvd with on_policy_fraction > 0")
+
+
 def _check_finite(what: str, value: float, step: int, checkpoint: Path | None = None) -> None:
     """Stop on NaN/inf, naming the step and the last good checkpoint (nothing is trained on garbage)."""
     if not math.isfinite(value):
@@ -643,6 +821,28 @@ def _default_pad_id(model: torch.nn.Module) -> int:
         if value is not None:
             return int(value)
     return 0
+
+
+def _check_processes(accelerator) -> None:
+    """Refuse a launcher's several processes that accelerate runs as independent single processes.
+
+    On a machine without a GPU, accelerate joins the processes of ``torchrun`` (or of
+    ``accelerate launch --multi_gpu``) only with ``ACCELERATE_USE_CPU=1``; otherwise each would
+    train alone and all would write the same checkpoints. (``accelerate launch --cpu
+    --num_processes N`` starts a single process.)
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and accelerator.num_processes == 1:
+        raise DraftsmithError(f"WORLD_SIZE={world} but accelerate runs this process alone: on a machine "
+                              "without a GPU set ACCELERATE_USE_CPU=1 for torchrun / accelerate launch --multi_gpu")
+
+
+def _sum_over_processes(accelerator, values: list[float]) -> list[float]:
+    """``values`` summed over all processes (an all-reduce); unchanged in a single-process run."""
+    if accelerator.num_processes == 1:
+        return list(values)
+    total = accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=accelerator.device), "sum")
+    return total.tolist()
 
 
 def _device(model: torch.nn.Module) -> torch.device:

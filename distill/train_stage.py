@@ -1,7 +1,8 @@
 """Stage 2: distil the drafter on the target's answers from stage 1.
 
 Reads a finished generate run, builds the drafter (sibling or depth-pruned,
-LoRA or full), trains it against the target's online next-token distributions
+LoRA, QLoRA or full), trains it against the target's next-token distributions (online, or the
+top-k log-probabilities generate stored), on the target's answers or, with GKD's mixing, its own
 (:func:`distill.train.train_drafter`) and writes the merged drafter in Hugging
 Face format to ``<run>/drafter/`` with ``drafter_info.json`` recording the
 target it was tuned for.
@@ -17,33 +18,74 @@ from typing import Any
 
 import torch
 
+from distill import parallel
 from distill.config import Config
 from distill.drafters import LoraSettings, build_drafter, merge_drafter
 from distill.errors import ConfigError, DraftsmithError, TokenizerMismatchError
 from distill.generate import load_generated
-from distill.models import ResolvedModel, load_model, tokenizers_compatible
+from distill.models import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
+from distill.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
 from distill.resume import hold_lock, prepare_resume, resume_key
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
-from distill.tracking import make_logger, run_name
+from distill.tracking import NullLogger, make_logger, run_name
 from distill.train import train_drafter
 
 DRAFTER_DIR = "drafter"
 DRAFTER_INFO = "drafter_info.json"
 
 
-def initial_drafter(cfg: Config, dtype: str = "float32", lora: LoraSettings | None = None):
+def initial_drafter(cfg: Config, dtype: str = "float32", lora: LoraSettings | None = None,
+                    quantize_4bit: bool = False):
     """The drafter before distillation, as ``drafter.*`` describes it.
+
+    Args:
+        quantize_4bit: load the base in bitsandbytes NF4 with double quantization and bf16
+            compute (QLoRA, Dettmers et al. 2023, Sec. 3) and prepare it for k-bit training
+            (peft ``prepare_model_for_kbit_training``); needs CUDA (see :func:`check_qlora`).
 
     Returns:
         ``(model, tokenizer, resolved)`` of the drafter's base model.
     """
-    base, tokenizer, resolved = load_model(cfg.drafter.name, dtype=dtype)
+    extra = {}
+    if quantize_4bit:
+        from transformers import BitsAndBytesConfig
+
+        extra = {"quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16), "device_map": {"": torch.cuda.current_device()}}
+        dtype = "bfloat16"
+    base, tokenizer, resolved = load_model(cfg.drafter.name, dtype=dtype, **extra)
+    if quantize_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     try:
         model = build_drafter(base, init=cfg.drafter.init, num_layers=cfg.drafter.num_layers,
                               layer_selection=cfg.drafter.layer_selection, lora=lora)
     except ValueError as err:  # e.g. more layers asked for than the base model has
         raise ConfigError(f"drafter (drafter.*, distill.lora_*): {err}") from err
     return model, tokenizer, resolved
+
+
+def check_qlora(cfg: Config) -> None:
+    """Refuse ``distill.method=qlora`` where it cannot run, before anything is loaded.
+
+    Raises:
+        ConfigError: no CUDA device, bitsandbytes missing, or a depth-pruned drafter
+            (``drafter.init=layers`` copies layers, which 4-bit weights do not allow).
+    """
+    if cfg.distill.method != "qlora":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("distill.method=qlora loads the drafter in bitsandbytes 4-bit, which needs a CUDA GPU; "
+                          "on this machine use distill.method=lora (same adapters on an unquantized base)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ConfigError("distill.method=qlora needs bitsandbytes: pip install -e '.[cuda]'") from err
+    if cfg.drafter.init != "sibling":
+        raise ConfigError("distill.method=qlora needs drafter.init=sibling: a depth-pruned drafter is trained in "
+                          "full (distill=full)")
 
 
 def check_tokenizers(target_tokenizer, drafter_tokenizer, target_name: str, drafter_name: str) -> None:
@@ -60,7 +102,33 @@ def drafter_info(cfg: Config, target: ResolvedModel, base: ResolvedModel) -> dic
     return {"target_name": cfg.target.name, "target_fingerprint": target.fingerprint,
             "base_name": cfg.drafter.name, "base_fingerprint": base.fingerprint, "init": cfg.drafter.init,
             "num_layers": cfg.drafter.num_layers, "layer_selection": cfg.drafter.layer_selection,
-            "method": cfg.distill.method, "loss": cfg.distill.loss}
+            "method": cfg.distill.method, "loss": cfg.distill.loss,
+            "draft_vocab_size": cfg.drafter.draft_vocab_size}
+
+
+def reduce_drafter_vocabulary(cfg: Config, drafter, train_examples, val_examples, eos_ids) -> tuple[Any, Any]:
+    """With ``drafter.draft_vocab_size``: reduce the drafter's LM head to the N most frequent tokens of the
+    training completions (EAGLE-3, :mod:`distill.reduced_vocab`), EOS and pad ids always kept.
+
+    Returns:
+        ``(draft_to_target (N,), manifest record with size and coverage)``, or ``(None, None)`` when off.
+
+    Raises:
+        ConfigError: N larger than the drafter's vocabulary, or combined with stored target top-k log-probs.
+    """
+    size = cfg.drafter.draft_vocab_size
+    if size is None:
+        return None, None
+    if getattr(cfg.distill, "target_source", "online") == "stored":
+        raise ConfigError("drafter.draft_vocab_size needs the target's full logits (distill.target_source=online): "
+                          "the stored top-k log-probs cannot be restricted to the draft vocabulary yet")
+    pad = getattr(drafter.config, "pad_token_id", None)
+    always = list(eos_ids) + ([int(pad)] if isinstance(pad, int) else [])
+    try:
+        return reduce_for_training(drafter, size, [ex["completion_ids"] for ex in train_examples],
+                                   [ex["completion_ids"] for ex in val_examples], always=always)
+    except ValueError as err:
+        raise ConfigError(f"drafter.draft_vocab_size: {err}") from err
 
 
 def _state_bytes(model) -> int:
@@ -84,33 +152,58 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     d = cfg.distill
     if d.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=bf16 or no")
-    gen_dir = resolve_input(cfg.inputs.generate, cfg.outputs, "generate")
+    check_qlora(cfg)
+    # Several launched processes (distill/parallel.py): all train, only the main one writes the run folder.
+    main = parallel.is_main()
+    gen_dir = parallel.from_main(lambda: resolve_input(cfg.inputs.generate, cfg.outputs, "generate"))
     dataset, _, gen_manifest = load_generated(gen_dir)
-    run = StageRun.start("distill", run_dir, config_yaml, inputs={"generate": str(gen_dir)})
+    stored = d.target_source == "stored"
+    if stored and not gen_manifest.get("store_top_k"):
+        raise ConfigError(f"distill.target_source=stored needs the target's top-k log-probs, which {gen_dir} does "
+                          "not hold: generate again with generate.store_top_k=20 (or use distill.target_source=online)")
+    run = StageRun.start("distill", run_dir, config_yaml, inputs={"generate": str(gen_dir)}) if main else None
 
     t0 = time.perf_counter()
-    target, target_tok, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
+    if stored:  # the stored log-probs stand in for the target: only its tokenizer and fingerprint are needed
+        from transformers import AutoTokenizer
+
+        target, target_res = None, resolve_model(cfg.target.name)
+        target_tok = AutoTokenizer.from_pretrained(target_res.path)
+    else:
+        target, target_tok, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
     if gen_manifest["target"]["fingerprint"] != target_res.fingerprint:
         raise DraftsmithError(
             f"{gen_dir} was generated by {gen_manifest['target']['name']!r}, not by target {cfg.target.name!r}: "
             f"set target.name={gen_manifest['target']['name']} or generate data with this target")
-    lora = LoraSettings(r=d.lora_r, alpha=d.lora_alpha, dropout=d.lora_dropout) if d.method == "lora" else None
-    drafter, drafter_tok, base_res = initial_drafter(cfg, dtype="float32", lora=lora)
+    lora = LoraSettings(r=d.lora_r, alpha=d.lora_alpha, dropout=d.lora_dropout) \
+        if d.method in ("lora", "qlora") else None
+    drafter, drafter_tok, base_res = initial_drafter(cfg, dtype="float32", lora=lora,
+                                                     quantize_4bit=d.method == "qlora")
     if d.method == "full" and d.freeze_embeddings:
         for module in (drafter.get_input_embeddings(), drafter.get_output_embeddings()):
             module.requires_grad_(False)
     check_tokenizers(target_tok, drafter_tok, cfg.target.name, cfg.drafter.name)
     load_s = time.perf_counter() - t0
 
-    examples = [{"prompt_ids": r["prompt_ids"], "completion_ids": r["completion_ids"]} for r in dataset]
+    columns = ["prompt_ids", "completion_ids"] + (["top_k_ids", "top_k_logprobs"] if stored else [])
+    examples = [{c: r[c] for c in columns} for r in dataset.select_columns(columns)]
     random.Random(d.seed).shuffle(examples)
     num_val = int(len(examples) * d.val_fraction) if len(examples) > 1 else 0
     val_examples, train_examples = examples[:num_val], examples[num_val:]
+    draft_ids, draft_vocab = reduce_drafter_vocabulary(cfg, drafter, train_examples, val_examples,
+                                                       eos_token_ids(drafter, drafter_tok))
 
     key = resume_key(cfg, gen_manifest.get("shard_cache") or str(gen_dir), target_res.fingerprint)
-    lock = hold_lock(run_dir)  # released at exit, also when the process is killed
-    resume_from, resumed = prepare_resume(cfg, run_dir, key)
-    logger = make_logger(cfg.logger, run_name("distill", run_dir), run_dir, config=dataclasses.asdict(cfg))
+    lock = None
+
+    def claim_run() -> tuple[Path | None, dict]:  # the main process only; the others get its answer
+        nonlocal lock
+        lock = hold_lock(run_dir)  # released at exit, also when the process is killed
+        return prepare_resume(cfg, run_dir, key)
+
+    resume_from, resumed = parallel.from_main(claim_run)
+    logger = make_logger(cfg.logger, run_name("distill", run_dir), run_dir, config=dataclasses.asdict(cfg)) \
+        if main else NullLogger()
     try:
         metrics = train_drafter(
             drafter, target, train_examples, val_examples=val_examples or None, loss=d.loss,
@@ -118,18 +211,40 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             batch_size=d.batch_size, grad_accum=d.grad_accum, max_seq_len=d.max_seq_len,
             warmup_steps=d.warmup_steps, weight_decay=d.weight_decay, seed=d.seed,
             output_dir=run_dir / "checkpoints", checkpoint_every=d.checkpoint_every, logger=logger,
-            mixed_precision=d.mixed_precision, resume_from=resume_from)
+            mixed_precision=d.mixed_precision, resume_from=resume_from,
+            on_policy_fraction=d.on_policy_fraction, on_policy_temperature=d.on_policy_temperature,
+            eos_token_ids=eos_token_ids(drafter, drafter_tok))
         logger.summary(metrics)
     finally:
         logger.finish()
+    parallel.barrier()  # every process has finished training before the main one saves
+    return parallel.from_main(lambda: _save_run(cfg, run, drafter, drafter_tok, target_res, base_res, lora,
+                                                draft_ids, lock, metrics=metrics, draft_vocab=draft_vocab,
+                                                num_train=len(train_examples), num_val=len(val_examples),
+                                                load_s=load_s, resumed=resumed))
 
+
+def _save_run(cfg: Config, run: StageRun, drafter, drafter_tok, target_res: ResolvedModel, base_res: ResolvedModel,
+              lora: LoraSettings | None, draft_ids, lock, *, metrics: dict, draft_vocab, num_train: int,
+              num_val: int, load_s: float, resumed: dict) -> Path:
+    """The main process's end of :func:`run_distill`: the merged drafter, its info, the manifest and COMPLETE."""
+    d, run_dir = cfg.distill, run.path
+    if d.method == "qlora":
+        # merge the adapters into an unquantized copy of the base: a 4-bit merge would round them away
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        adapters = get_peft_model_state_dict(drafter)
+        drafter, _, _ = initial_drafter(cfg, dtype="float32", lora=lora)
+        set_peft_model_state_dict(drafter, {k: v.float().cpu() for k, v in adapters.items()})
+        if draft_ids is not None:  # the LoRA-frozen head: the same rows as the one trained with
+            reduce_vocabulary(drafter, draft_ids)
     merged = merge_drafter(drafter)
     info = drafter_info(cfg, target_res, base_res)
     final = run_dir / DRAFTER_DIR
     with atomic_dir(final, needed_bytes=_state_bytes(merged)) as tmp:
-        merged.save_pretrained(tmp)
+        save_drafter(merged, tmp)  # the full-vocabulary model (+ draft_vocab.safetensors if reduced)
         drafter_tok.save_pretrained(tmp)
         write_json_atomic(tmp / DRAFTER_INFO, info)
     lock.close()
-    return run.complete(drafter=info, num_train_examples=len(train_examples), num_val_examples=len(val_examples),
-                        model_load_s=round(load_s, 2), train=metrics, **resumed)
+    return run.complete(drafter=info, num_train_examples=num_train, num_val_examples=num_val,
+                        model_load_s=round(load_s, 2), train=metrics, draft_vocab=draft_vocab, **resumed)

@@ -1,0 +1,126 @@
+"""One ``draftsmith distill`` run in N launched processes (``torchrun`` / ``accelerate launch``).
+
+A launcher starts the same command N times (``WORLD_SIZE=N``). Only the main process (rank 0) goes
+through Hydra: it alone picks (or, with ``distill.resume=auto``, continues) the run folder, takes the
+run's lock, writes the manifest, the merged drafter and the logger's output. It joins the others
+over ``torch.distributed`` first (accelerate's ``PartialState``: gloo on CPU with
+``ACCELERATE_USE_CPU=1``, nccl on GPUs; the ``Accelerator`` in :func:`distill.train.train_drafter`
+reuses that process group) and then *broadcasts* what the others need: the checked config, the
+run folder, the generate run read, the checkpoint to resume from (:func:`from_main`). A broadcast
+needs no clock agreement, no shared scratch file and no launcher-specific id, and it cannot pick up
+a stale answer of an earlier launch. A failure on the main process is relayed, so every process
+stops with the same error; every process trains, and all meet before the main process saves.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, TypeVar
+
+from distill.errors import DraftsmithError
+
+T = TypeVar("T")
+
+
+class MainProcessError(DraftsmithError):
+    """The main process failed; this process stops with it (the main process reports the cause)."""
+
+
+def world_size() -> int:
+    """The number of processes the launcher started (``WORLD_SIZE``; 1 without a launcher)."""
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
+    except ValueError:
+        return 1
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (``RANK``), before any process group exists."""
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def _active() -> bool:
+    if "torch" not in sys.modules:  # nothing joined yet (e.g. `--help`): do not import torch for nothing
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def start() -> Any:
+    """Join the launcher's processes (accelerate's ``PartialState``); returns the state.
+
+    Raises:
+        DraftsmithError: accelerate would run each launched process alone (a machine without a GPU
+            and without ``ACCELERATE_USE_CPU=1``): every process would train its own copy.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    if state.num_processes != world_size():
+        raise DraftsmithError(f"WORLD_SIZE={world_size()} but accelerate runs this process alone: on a machine "
+                              "without a GPU set ACCELERATE_USE_CPU=1 for torchrun / accelerate launch --multi_gpu")
+    return state
+
+
+def is_main() -> bool:
+    """True in a single-process run and on the main process of several."""
+    if not _active():
+        return True
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0
+
+
+def from_main(compute: Callable[[], T] | None) -> T:
+    """``compute()`` run on the main process only, its result (picklable) broadcast to all processes.
+
+    Without several processes this is just ``compute()``. When ``compute`` raises on the main
+    process, the error is raised there and relayed to the others (a :class:`DraftsmithError` as is,
+    marked ``relayed=True``; anything else as :class:`MainProcessError`), so no process waits forever.
+    Also a barrier: no process returns before the main process has finished ``compute``.
+    """
+    if not _active():
+        return compute()
+    from accelerate.utils import broadcast_object_list
+
+    if is_main():
+        try:
+            payload = [("ok", compute())]
+        except BaseException as err:
+            relayed = err if isinstance(err, DraftsmithError) else \
+                MainProcessError(f"the main process failed: {type(err).__name__}: {err}")
+            try:
+                broadcast_object_list([("error", relayed)])
+            except Exception:  # noqa: BLE001 - an unpicklable error: still let the others stop
+                broadcast_object_list([("error", MainProcessError(f"the main process failed: {err!r}"))])
+            raise
+        broadcast_object_list(payload)
+        return payload[0][1]
+    payload = broadcast_object_list([None])
+    kind, value = payload[0]
+    if kind == "error":
+        value.relayed = True
+        raise value
+    return value
+
+
+def barrier() -> None:
+    """Wait until every process gets here (nothing without several processes)."""
+    if _active():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def finish() -> None:
+    """Leave the process group (before exit, so that the launcher sees a clean end)."""
+    if _active():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()

@@ -1,0 +1,197 @@
+"""Data-parallel training: ``train_drafter`` on 2 CPU processes (DDP over gloo).
+
+Two spawned processes each call :func:`distill.train.train_drafter` on the same tiny random Qwen2
+target and drafter (same seeds, so the same weights). A single-process run with twice the batch
+size sees, step by step, the union of the two ranks' batches (the example stream is sharded by
+whole batches: rank r gets batches r, r + 2, ...), so with gradients synchronised and the loss
+weighted by the tokens of *all* processes, both runs must take the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                       reason="torch.distributed with the gloo backend is not available"),
+]
+
+WORLD_SIZE = 2
+BATCH = 2      # examples per process per micro-batch
+STEPS = 3      # 3 steps x 2 processes x 2 examples = 12 > 8 examples: crosses an epoch boundary
+SEED = 0
+LR = 1e-2      # large, so a wrong gradient shows in the weights after a few steps
+# completion lengths (= loss tokens per example): the two ranks' first batches differ in tokens
+COMPLETION_LENGTHS = (2, 3, 5, 9, 14, 20, 6, 11)
+
+
+def _examples() -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    return [{"prompt_ids": torch.randint(0, 256, (3 + i % 4,), generator=g).tolist(),
+             "completion_ids": torch.randint(0, 256, (n,), generator=g).tolist()}
+            for i, n in enumerate(COMPLETION_LENGTHS)]
+
+
+def _train(output_dir: Path, batch_size: int, max_steps: int = STEPS, resume_from: Path | None = None) -> dict:
+    """Train a fresh tiny drafter against the tiny target, recording the first step's gradients and the
+    examples each micro-batch held. Returns the recording, the final weights and the result dict."""
+    from distill import train
+    from distill.tiny import tiny_model
+
+    record: dict = {"grads": None, "seen": []}
+    adamw = torch.optim.AdamW
+    collate = train.collate
+
+    class RecordingAdamW(adamw):
+        def step(self, *args, **kwargs):
+            if record["grads"] is None:  # step 1, after DDP's all-reduce and clipping
+                record["grads"] = [p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
+            return super().step(*args, **kwargs)
+
+    def recording_collate(examples, **kwargs):
+        record["seen"].append([tuple(ex["completion_ids"]) for ex in examples])
+        return collate(examples, **kwargs)
+
+    target = tiny_model("target", seed=0)
+    drafter = tiny_model("drafter", seed=1)
+    torch.optim.AdamW, train.collate = RecordingAdamW, recording_collate
+    try:
+        result = train.train_drafter(drafter, target, _examples(), lr=LR, max_steps=max_steps,
+                                     batch_size=batch_size, seed=SEED, output_dir=output_dir, progress=False,
+                                     checkpoint_every=2, resume_from=resume_from)
+    finally:
+        torch.optim.AdamW, train.collate = adamw, collate
+    weights = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    return {**record, "weights": weights, "result": result}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    """One DDP process (``torch.multiprocessing.spawn`` entry): the env:// rendezvous accelerate reads."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD_SIZE), LOCAL_WORLD_SIZE=str(WORLD_SIZE), ACCELERATE_USE_CPU="1",
+                      HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    torch.set_num_threads(1)
+    recorded = _train(Path(out) / "shared", batch_size=BATCH)
+    # resumed from the main process's checkpoint-2 (both processes read it) in another folder
+    resumed = _train(Path(out) / "resumed", batch_size=BATCH, resume_from=Path(out) / "shared" / "checkpoint-2")
+    recorded["resumed_weights"] = resumed["weights"]
+    from accelerate import PartialState
+
+    state = PartialState()
+    recorded["distributed"] = (state.distributed_type.value, state.num_processes, state.process_index,
+                               dist.get_backend())
+    torch.save(recorded, Path(out) / f"rank{rank}.pt")
+    state.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """Both ranks' recordings and the shared output folder of a 2-process run."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD_SIZE, join=True)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return ranks, out
+
+
+def _tokens(batch: list[tuple]) -> int:
+    return sum(len(completion) for completion in batch)
+
+
+def test_ddp_ranks_run_distributed_on_disjoint_batches(ddp_run):
+    ranks, _ = ddp_run
+    for r, rank in enumerate(ranks):
+        assert rank["distributed"] == ("MULTI_CPU", WORLD_SIZE, r, "gloo")
+    # the seeded example stream (epoch e in default_rng([seed, e]).permutation order), cut in batches:
+    # batch i goes to rank i % 2, so at step s rank r trains on batch 2 s + r
+    examples = _examples()
+    stream = [tuple(examples[i]["completion_ids"])
+              for epoch in range(2) for i in np.random.default_rng([SEED, epoch]).permutation(len(examples))]
+    batches = [stream[i:i + BATCH] for i in range(0, len(stream), BATCH)]
+    for step in range(STEPS):  # (the prepared loader may collate one batch ahead: seen has >= STEPS)
+        for r, rank in enumerate(ranks):
+            assert rank["seen"][step] == batches[WORLD_SIZE * step + r]
+        assert not set(ranks[0]["seen"][step]) & set(ranks[1]["seen"][step]), "both ranks got the same examples"
+    assert _tokens(ranks[0]["seen"][0]) != _tokens(ranks[1]["seen"][0])  # the cross-process token weighting counts
+
+
+def test_ddp_gradients_are_synchronised(ddp_run, tmp_path):
+    ranks, _ = ddp_run
+    grads0, grads1 = ranks[0]["grads"], ranks[1]["grads"]
+    assert all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
+    # ... and they are the gradient of the token-weighted loss over the union of both ranks' batches
+    union = _train(tmp_path / "union", batch_size=WORLD_SIZE * BATCH, max_steps=1)
+    assert union["seen"][0] == ranks[0]["seen"][0] + ranks[1]["seen"][0]
+    for a, b in zip(grads0, union["grads"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # rank 0's own batch alone gives another gradient: without the all-reduce the ranks would drift apart
+    local = _train(tmp_path / "local", batch_size=BATCH, max_steps=1)
+    assert local["seen"][0] == ranks[0]["seen"][0]
+    assert max(float((a - b).abs().max()) for a, b in zip(grads0, local["grads"])) > 1e-3
+
+
+def test_ddp_matches_single_process_run_and_only_main_writes(ddp_run, tmp_path):
+    ranks, out = ddp_run
+    shared = out / "shared"
+    w0, w1 = ranks[0]["weights"], ranks[1]["weights"]
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    single = _train(tmp_path / "single", batch_size=WORLD_SIZE * BATCH)
+    for k in w0:
+        torch.testing.assert_close(w0[k], single["weights"][k], rtol=1e-4, atol=1e-5)
+    # every rank reports the losses of the whole (all-process) step, as the single-process run does
+    for rank in ranks:
+        assert rank["result"]["tokens_seen"] == single["result"]["tokens_seen"]
+        assert rank["result"]["final_loss"] == pytest.approx(single["result"]["final_loss"], rel=1e-4)
+    # metrics and checkpoints: written once (main process), with the all-process stream position
+    lines = [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    for got, want in zip(lines, expected):
+        assert got["tokens"] == want["tokens"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    state = json.loads((shared / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    want_state = json.loads((tmp_path / "single" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    assert state["examples_seen"] == want_state["examples_seen"] == STEPS * WORLD_SIZE * BATCH
+    assert state["tokens_seen"] == want_state["tokens_seen"]
+    assert sorted(p.name for p in shared.iterdir()) == ["checkpoint-2", f"checkpoint-{STEPS}", "metrics.jsonl"]
+
+
+def test_ddp_resume_continues_as_uninterrupted(ddp_run):
+    ranks, out = ddp_run
+    for rank in ranks:  # same data position, optimizer and scheduler state: the same weights, bit for bit
+        w, resumed = rank["weights"], rank["resumed_weights"]
+        assert all(torch.equal(w[k], resumed[k]) for k in w)
+    lines = [json.loads(line) for line in (out / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    full = [json.loads(line) for line in (out / "shared" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{**m, "tokens_per_s": line["tokens_per_s"]} for m, line in zip(full[2:], lines, strict=True)]
+
+
+def test_launcher_processes_that_accelerate_does_not_join_are_refused(monkeypatch, tmp_path):
+    # torchrun on a machine without a GPU and without ACCELERATE_USE_CPU=1: every process would train alone
+    from distill.errors import DraftsmithError
+    from distill.tiny import tiny_model
+    from distill.train import train_drafter
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DraftsmithError, match="ACCELERATE_USE_CPU"):
+        train_drafter(tiny_model("drafter", seed=1), tiny_model("target", seed=0), _examples(), max_steps=1,
+                      output_dir=tmp_path, progress=False)
