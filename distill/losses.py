@@ -157,6 +157,7 @@ def top_k_log_probs(
     top_k_logprobs: torch.Tensor,
     *,
     temperature: float = 1.0,
+    drop_impossible: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both distributions coarsened to the target's stored top-k tokens plus one "rest" bucket.
 
@@ -180,12 +181,17 @@ def top_k_log_probs(
         top_k_logprobs: ``(..., k)`` the target's log-probabilities of those tokens (<= 0,
             summing to <= 1 in probability).
         temperature: > 0, applied to the student only.
+        drop_impossible: renormalise the target without the tokens the drafter gives probability
+            0 (the training objective); False keeps the target as stored (for acceptance, where
+            that mass is simply never accepted).
 
     Returns:
         ``(student_logp, target_logp)``, each ``(..., k + 1)`` float32; the last column is the
         rest bucket. The target's rest mass is floored at 1e-7 (float32 rounding can push
         ``1 - sum`` to 0 or below), so reverse KL stays finite; when the k ids cover the whole
-        vocabulary both rests are 0.
+        vocabulary both rests are 0. Stored tokens the drafter gives probability exactly 0 (outside
+        a reduced vocabulary, :mod:`distill.reduced_vocab`) get target probability 0 too, and the
+        target is renormalised over the remaining buckets.
 
     Raises:
         ValueError: mismatched shapes, an id outside the student's vocabulary, temperature <= 0.
@@ -207,6 +213,15 @@ def top_k_log_probs(
     target_rest = torch.log((1.0 - target_top.exp().sum(-1, keepdim=True)).clamp(min=1e-7))
     # k covers the whole vocabulary: nothing is left over on either side
     target_rest = torch.where(torch.isneginf(student_rest), student_rest, target_rest)
+    # Tokens the drafter cannot produce (probability exactly 0: a reduced-vocabulary head) leave the
+    # target too, which is renormalised over the rest (EAGLE-3's restriction to the draft vocabulary,
+    # Li et al. 2025); otherwise forward KL would be infinite.
+    impossible = torch.isneginf(student_top)
+    if drop_impossible and bool(impossible.any()):
+        removed = torch.where(impossible, target_top.exp(), torch.zeros_like(target_top)).sum(-1, keepdim=True)
+        scale = torch.log((1.0 - removed).clamp(min=1e-7))
+        target_top = torch.where(impossible, torch.full_like(target_top, float("-inf")), target_top - scale)
+        target_rest = target_rest - scale
     return torch.cat([student_top, student_rest], -1), torch.cat([target_top, target_rest], -1)
 
 
@@ -242,6 +257,9 @@ def top_k_distillation_loss(
     else:
         loss = divergence_from_log_probs(student_logp, target_logp, kind=kind, jsd_beta=jsd_beta)
     with torch.no_grad():
+        if bool(torch.isneginf(student_logp[..., :-1]).any()):  # reduced vocabulary: the unrestricted target
+            student_logp, target_logp = top_k_log_probs(student_logits.detach(), top_k_ids, top_k_logprobs,
+                                                        temperature=temperature, drop_impossible=False)
         tvd = divergence_from_log_probs(student_logp.detach(), target_logp, kind="tvd")
     return loss, (1.0 - tvd).clamp(0.0, 1.0)
 

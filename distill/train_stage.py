@@ -114,14 +114,11 @@ def reduce_drafter_vocabulary(cfg: Config, drafter, train_examples, val_examples
         ``(draft_to_target (N,), manifest record with size and coverage)``, or ``(None, None)`` when off.
 
     Raises:
-        ConfigError: N larger than the drafter's vocabulary, or combined with stored target top-k log-probs.
+        ConfigError: N larger than the drafter's vocabulary.
     """
     size = cfg.drafter.draft_vocab_size
     if size is None:
         return None, None
-    if getattr(cfg.distill, "target_source", "online") == "stored":
-        raise ConfigError("drafter.draft_vocab_size needs the target's full logits (distill.target_source=online): "
-                          "the stored top-k log-probs cannot be restricted to the draft vocabulary yet")
     pad = getattr(drafter.config, "pad_token_id", None)
     always = list(eos_ids) + ([int(pad)] if isinstance(pad, int) else [])
     try:

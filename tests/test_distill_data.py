@@ -254,3 +254,23 @@ def test_stored_log_probs_through_the_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(open(proc.stdout.strip().splitlines()[-1]).read())
     assert report["outputs_match_target"] is True
+
+
+def test_stored_log_probs_with_a_reduced_vocabulary_match_the_online_restriction(target):
+    """k = vocabulary: the stored path drops the tokens outside the draft vocabulary and renormalises the
+    target exactly as the online path's EAGLE-3 restriction does; acceptance counts that mass as rejected."""
+    from distill.reduced_vocab import reduce_vocabulary
+
+    examples = _stored_examples(target, k=VOCAB)
+    drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling").eval()
+    keep = torch.arange(0, VOCAB, 2)  # half the vocabulary
+    reduce_vocabulary(drafter, keep)
+    batch = collate(examples, pad_token_id=0, max_seq_len=64)
+    online = {k: v for k, v in batch.items() if not k.startswith("top_k")}
+    for kind in KINDS:
+        with torch.no_grad():
+            stored_loss, stored_accept = _loss_step(drafter, None, batch, LossSpec(kind))
+            online_loss, online_accept = _loss_step(drafter, target, online, LossSpec(kind))
+        assert math.isfinite(stored_loss.item())
+        assert math.isclose(stored_loss.item(), online_loss.item(), rel_tol=1e-3, abs_tol=1e-4), kind
+        assert math.isclose(stored_accept, online_accept, rel_tol=1e-3), kind
