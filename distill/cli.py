@@ -207,18 +207,18 @@ def main(argv: list[str] | None = None) -> None:
             if parallel.launcher_rank() == 0:
                 print(f"draftsmith {stage}: error: {err}", file=sys.stderr)
             sys.exit(2)
-        if not state.is_main_process:
-            try:
-                _follow_main()
-            finally:
-                parallel.finish()
-            return
     # Hydra's parser wants flags before the overrides; users put them anywhere.
     sys.argv = [f"draftsmith {stage}", *flags, f"stage={stage}", *overrides]
+    run = _follow_main if parallel.world_size() > 1 and not state.is_main_process else _hydra_main
     try:
-        _hydra_main()
-    finally:
-        parallel.finish()
+        run()
+    except SystemExit as done:  # sys.exit(2) after a reported error: leave without waiting for the others
+        parallel.finish(ok=done.code in (None, 0))
+        raise
+    except BaseException:
+        parallel.finish(ok=False)
+        raise
+    parallel.finish()
 
 
 if __name__ == "__main__":

@@ -118,9 +118,20 @@ def barrier() -> None:
         dist.barrier()
 
 
-def finish() -> None:
-    """Leave the process group (before exit, so that the launcher sees a clean end)."""
-    if _active():
-        import torch.distributed as dist
+def finish(ok: bool = True) -> None:
+    """Leave the process group before exit; with ``ok`` (no error) after all processes got here, so they
+    end together. Without ``ok`` there is no wait: another process may be stuck in a collective, and the
+    launcher stops the rest once this one exits."""
+    if not _active():
+        return
+    import gc
 
-        dist.destroy_process_group()
+    import torch.distributed as dist
+
+    # DDP's hooks keep the trained model, its reducer and the process group in reference cycles: free them
+    # now, not during interpreter shutdown, where gloo's threads can abort the process (SIGABRT).
+    gc.collect()
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()

@@ -1,4 +1,5 @@
-"""Data-parallel training: ``train_drafter`` on 2 CPU processes (DDP over gloo).
+"""Data-parallel training: ``train_drafter`` on 2 CPU processes (DDP over gloo), and the real
+``draftsmith distill`` command under ``torchrun --nproc_per_node 2``.
 
 Two spawned processes each call :func:`distill.train.train_drafter` on the same tiny random Qwen2
 target and drafter (same seeds, so the same weights). A single-process run with twice the batch
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -195,3 +199,90 @@ def test_launcher_processes_that_accelerate_does_not_join_are_refused(monkeypatc
     with pytest.raises(DraftsmithError, match="ACCELERATE_USE_CPU"):
         train_drafter(tiny_model("drafter", seed=1), tiny_model("target", seed=0), _examples(), max_steps=1,
                       output_dir=tmp_path, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage command itself: `torchrun --nproc_per_node 2 -m distill.cli distill ...`
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cli_env() -> dict:
+    # PYTHONPATH: this checkout's code even where another copy is pip-installed (as tests/test_pipeline.py)
+    return {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+
+
+def _draftsmith(*args: str, cwd: Path, nproc: int = 1) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(_free_port())] if nproc > 1 else [sys.executable]
+    return subprocess.run([*launcher, "-m", "distill.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=_cli_env(), timeout=300)
+
+
+def _distill_runs(outputs: Path) -> list[Path]:
+    return sorted(p for p in (outputs / "distill").iterdir() if p.is_dir()) if (outputs / "distill").is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def cli_ddp_run(tmp_path_factory):
+    """A generate run, then `draftsmith distill experiment=tiny` in 2 torchrun processes on it."""
+    root = tmp_path_factory.mktemp("cli_ddp")
+    outputs = root / "outputs"
+    proc = _draftsmith("generate", "experiment=tiny", f"outputs={outputs}", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _draftsmith("distill", "experiment=tiny", f"outputs={outputs}", cwd=root, nproc=WORLD_SIZE)
+    return root, outputs, proc
+
+
+def test_distill_command_under_torchrun_makes_one_complete_run(cli_ddp_run):
+    from distill.rundir import COMPLETE, read_manifest
+
+    root, outputs, proc = cli_ddp_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = _distill_runs(outputs)
+    assert len(runs) == 1, runs  # both processes in one run folder
+    run = runs[0]
+    assert (run / COMPLETE).is_file() and read_manifest(run)["stage"] == "distill"
+    state = json.loads((run / "checkpoints" / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["data"]["num_processes"] == WORLD_SIZE
+    assert state["examples_seen"] == 8 * WORLD_SIZE * 4  # max_steps x processes x batch_size (experiment=tiny)
+    # the logger (jsonl) and the metrics were written once, by the main process
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "summary" not in r] == list(range(1, 9))
+    assert sum("summary" in r for r in log) == 1
+    assert (run / "drafter" / "drafter_info.json").is_file()
+    # ... and the evaluate stage takes the drafter
+    proc = _draftsmith("evaluate", "experiment=tiny", f"outputs={outputs}", f"inputs.distill={run}", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = Path(proc.stdout.strip().splitlines()[-1])
+    assert report.name == "report.json" and report.is_file()
+    assert read_manifest(report.parent)["inputs"]["distill"] == str(run)
+    assert json.loads(report.read_text())["outputs_match_target"] is True
+
+
+def test_distill_command_under_torchrun_resumes_unfinished_run(cli_ddp_run, tmp_path):
+    from distill.rundir import COMPLETE, read_manifest
+
+    root, outputs, _ = cli_ddp_run
+    copy = tmp_path / "outputs"
+    shutil.copytree(outputs, copy, ignore=shutil.ignore_patterns("evaluate"))
+    (old,) = _distill_runs(copy)
+    (old / COMPLETE).unlink()  # as if killed after its last checkpoint
+    proc = _draftsmith("distill", "experiment=tiny", f"outputs={copy}", "distill.max_steps=10", cwd=root,
+                       nproc=WORLD_SIZE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    new = [p for p in _distill_runs(copy) if p != old]
+    assert len(new) == 1 and (new[0] / COMPLETE).is_file()
+    manifest = read_manifest(new[0])
+    assert manifest["resumed_run"] == str(old) and manifest["resumed_from"].endswith("checkpoint-8")
+    assert manifest["train"]["steps"] == 10
+    lines = (new[0] / "checkpoints" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 11))
+
+
+def test_other_stages_refuse_several_processes(tmp_path):
+    proc = _draftsmith("generate", "experiment=tiny", f"outputs={tmp_path}/outputs", cwd=tmp_path, nproc=WORLD_SIZE)
+    assert proc.returncode != 0
+    assert "only the distill stage trains data-parallel" in proc.stderr
+    assert not (tmp_path / "outputs").exists()
