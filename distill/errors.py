@@ -31,3 +31,33 @@ class TokenizerMismatchError(DraftsmithError):
 
 class DiskFullError(DraftsmithError):
     """Not enough disk space for an output; the message names the path, the free and the needed bytes."""
+
+
+class OutOfMemoryError(DraftsmithError):
+    """A step ran out of (GPU or host) memory; the message names the step, the size asked for and the settings to lower."""
+
+
+_OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+
+
+def out_of_memory_bytes(err: BaseException) -> int | None:
+    """If ``err`` is an out-of-memory failure, the bytes the failed allocation asked for (0 if unknown).
+
+    Recognises ``MemoryError``, ``torch.OutOfMemoryError`` (CUDA: "Tried to allocate 2.00 GiB") and
+    the CPU allocator's ``RuntimeError`` ("you tried to allocate 123456 bytes").
+
+    Returns:
+        bytes (int, 0 when the message does not say) for a memory error; None for any other error.
+    """
+    import re
+
+    text = str(err)
+    if not (isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError"
+            or (isinstance(err, RuntimeError) and any(m in text.lower() for m in _OOM_MARKERS))):
+        return None
+    if match := re.search(r"allocate ([0-9]+) bytes", text):
+        return int(match.group(1))
+    if match := re.search(r"allocate ([0-9.]+) ([KMGT]i?B)", text):
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[match.group(2)[0]]
+        return int(float(match.group(1)) * scale)
+    return 0

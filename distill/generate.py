@@ -26,7 +26,7 @@ from datasets import Dataset, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 
 from distill.config import Config
-from distill.errors import PromptError
+from distill.errors import OutOfMemoryError, PromptError, out_of_memory_bytes
 from distill.models import eos_token_ids, load_model
 from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, atomic_dir, write_text_atomic
@@ -159,9 +159,18 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         for b in range(start, min(start + g.shard_size, len(train)), g.batch_size):
             idx = list(range(b, min(b + g.batch_size, start + g.shard_size, len(train))))
             t = time.perf_counter()
-            answers = answer_batch(model, [encoded[i] for i in idx], pad_id=pad_id, eos_ids=eos_ids,
-                                   max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                   store_top_k=g.store_top_k)
+            try:
+                answers = answer_batch(model, [encoded[i] for i in idx], pad_id=pad_id, eos_ids=eos_ids,
+                                       max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                       store_top_k=g.store_top_k)
+            except (MemoryError, RuntimeError) as err:
+                if (asked := out_of_memory_bytes(err)) is None:
+                    raise
+                size = f" (an allocation of {asked / 2**30:.2f} GiB failed)" if asked else ""
+                raise OutOfMemoryError(
+                    f"out of memory answering prompts {idx[0]}-{idx[-1]} in a batch of {len(idx)}{size}: lower "
+                    f"generate.batch_size (now {g.batch_size}) or generate.max_new_tokens. Finished shards stay in "
+                    f"{shard_root}; a new batch size writes new shards (batching changes the numerics)") from err
             gen_s += time.perf_counter() - t
             for i, answer in zip(idx, answers):
                 new_tokens += len(answer["completion_ids"])

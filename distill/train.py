@@ -23,6 +23,7 @@ Files written under ``output_dir``:
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import logging
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from distill.errors import DiskFullError, DraftsmithError
+from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out_of_memory_bytes
 from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
 from distill.reduced_vocab import draft_vocabulary_of, restrict_logits
 
@@ -220,7 +221,7 @@ def train_drafter(
             all_tokens = int(_sum_over_processes(accelerator, [step_tokens])[0])
             loss_sum = accept_sum = 0.0
             for batch in micro_batches:
-                with accelerator.accumulate(drafter):
+                with accelerator.accumulate(drafter), _memory_guard(step, batch, batch_size, grad_accum, checkpoint):
                     loss_value, accept = _loss_step(drafter, target, batch, spec)
                     _check_finite("distillation loss", loss_value.item(), step, checkpoint)
                     tokens = int(batch["loss_mask"].sum())
@@ -800,6 +801,26 @@ def _check_target_source(examples, target, loss: str, on_policy_fraction: float,
     if on_policy_fraction > 0 and loss == "ce":
         raise ValueError("loss 'ce' learns the target's tokens; on-policy answers are the drafter's own: "
                          "use fkl, rkl, jsd or tvd with on_policy_fraction > 0")
+
+
+@contextlib.contextmanager
+def _memory_guard(step: int, batch: dict, batch_size: int, grad_accum: int, checkpoint: Path | None):
+    """Turn an out-of-memory failure inside a training step into an error that says what to lower."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as err:
+        asked = out_of_memory_bytes(err)
+        if asked is None:
+            raise
+        shape = tuple(batch["input_ids"].shape)
+        size = f" (an allocation of {asked / 2**30:.2f} GiB failed)" if asked else ""
+        last = (f"; the last good checkpoint is {checkpoint}, and running the same command again resumes from it"
+                if checkpoint is not None else "")
+        raise OutOfMemoryError(
+            f"out of memory at step {step} on a micro-batch of {shape[0]} x {shape[1]} tokens{size}: lower "
+            f"distill.batch_size (now {batch_size}; raise distill.grad_accum, now {grad_accum}, to keep the "
+            f"examples per step) or distill.max_seq_len, or use distill.target_source=stored (no target in "
+            f"memory) or a reduced drafter.draft_vocab_size{last}") from err
 
 
 def _check_finite(what: str, value: float, step: int, checkpoint: Path | None = None) -> None:

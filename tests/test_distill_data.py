@@ -274,3 +274,44 @@ def test_stored_log_probs_with_a_reduced_vocabulary_match_the_online_restriction
         assert math.isfinite(stored_loss.item())
         assert math.isclose(stored_loss.item(), online_loss.item(), rel_tol=1e-3, abs_tol=1e-4), kind
         assert math.isclose(stored_accept, online_accept, rel_tol=1e-3), kind
+
+
+# ---------------------------------------------------------------------------------------------
+# memory exhaustion
+
+
+@pytest.mark.parametrize("error, asked", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 34359738368 bytes. Error code 12 (Cannot allocate memory)"), 34359738368),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB"),
+     2 * 2**30),
+    (MemoryError(), 0),
+    (RuntimeError("shape mismatch"), None),
+])
+def test_out_of_memory_is_recognised_with_the_size_asked(error, asked):
+    from distill.errors import out_of_memory_bytes
+
+    assert out_of_memory_bytes(error) == asked
+
+
+def test_out_of_memory_in_a_step_says_what_to_lower(target, tmp_path, monkeypatch):
+    import distill.train as train_module
+    from distill.errors import OutOfMemoryError
+
+    real = train_module._loss_step
+    calls = {"n": 0}
+
+    def failing(drafter, target, batch, spec):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes.")
+        return real(drafter, target, batch, spec)
+
+    monkeypatch.setattr(train_module, "_loss_step", failing)
+    drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")
+    with pytest.raises(OutOfMemoryError) as info:
+        train_drafter(drafter, target, _plain_examples(), max_steps=4, batch_size=2, checkpoint_every=1,
+                      output_dir=tmp_path, progress=False)
+    message = str(info.value)
+    assert "step 3" in message and "8.00 GiB" in message and "distill.batch_size (now 2;" in message
+    assert "checkpoint-2" in message  # the last good checkpoint, from which the same command resumes
