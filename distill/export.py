@@ -94,7 +94,9 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
             "runs over those rows only and every other token gets draft probability 0 (decoding stays lossless).", "",
             "`transformers` (`from_pretrained`, `assistant_model=`), vLLM and other loaders ignore that file and load "
             "this folder as an ordinary full-vocabulary drafter (the LM head's rows for the kept tokens equal the "
-            "reduced head, the others are the base model's); the GGUF file, if exported, is that full-vocabulary model too.",
+            "reduced head, the others are the base model's); the GGUF file, if exported, is that full-vocabulary model too. "
+            "That model is not the one measured above: the untrained rows can win the argmax, so its acceptance is lower "
+            "and must be measured in the loader that uses it.",
             "",
         ]
     return "\n".join(lines)

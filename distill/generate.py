@@ -26,7 +26,7 @@ from datasets import Dataset, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 
 from distill.config import Config
-from distill.errors import OutOfMemoryError, PromptError, out_of_memory_bytes
+from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
 from distill.models import eos_token_ids, load_model
 from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, atomic_dir, write_text_atomic
@@ -123,6 +123,10 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     load_s = time.perf_counter() - t0
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    vocab = model.get_output_embeddings().out_features
+    if cfg.generate.store_top_k > vocab:
+        raise ConfigError(f"generate.store_top_k={cfg.generate.store_top_k} is more than the target's {vocab} "
+                          f"tokens: use at most {vocab} (20 is plenty)")
     encoded = [encode_prompt(tokenizer, p) for p in train]
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if context:

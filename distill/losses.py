@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 LOSS_KINDS = ("fkl", "rkl", "jsd", "tvd", "ce")
+_IMPOSSIBLE_LOGP = -1e4  # exp() underflows to exactly 0 in float32, yet differences and gradients stay finite
 
 
 def distillation_loss(
@@ -220,7 +221,11 @@ def top_k_log_probs(
     if drop_impossible and bool(impossible.any()):
         removed = torch.where(impossible, target_top.exp(), torch.zeros_like(target_top)).sum(-1, keepdim=True)
         scale = torch.log((1.0 - removed).clamp(min=1e-7))
-        target_top = torch.where(impossible, torch.full_like(target_top, float("-inf")), target_top - scale)
+        # both sides get a finite log-prob whose probability underflows to 0: -inf on both sides would
+        # give NaN gradients (0 * (-inf - -inf), logsumexp over all -inf) in RKL and JSD
+        floor = torch.full_like(target_top, _IMPOSSIBLE_LOGP)
+        target_top = torch.where(impossible, floor, target_top - scale)
+        student_top = torch.where(impossible, floor, student_top)
         target_rest = target_rest - scale
     return torch.cat([student_top, student_rest], -1), torch.cat([target_top, target_rest], -1)
 
@@ -241,7 +246,8 @@ def top_k_distillation_loss(
         student_logits: ``(N, vocab)`` drafter logits at the N loss positions.
         top_k_ids, top_k_logprobs: ``(N, k)``, see :func:`top_k_log_probs`.
         kind, jsd_beta, temperature: as in :func:`distillation_loss` (``"ce"`` uses ``labels``
-            and the full student distribution; the stored target is then unused).
+            and the full student distribution; the stored target is then unused; a label the
+            drafter gives probability 0, outside a reduced vocabulary, contributes 0).
         labels: ``(N,)`` int64 next tokens, for ``kind="ce"``.
 
     Returns:
@@ -254,10 +260,13 @@ def top_k_distillation_loss(
     if kind == "ce":
         full = F.log_softmax(student_logits.float() / temperature, dim=-1)
         loss = _cross_entropy(full, labels)
+        # a label the drafter cannot produce (outside a reduced vocabulary) teaches it nothing: 0, not inf
+        loss = torch.where(torch.isinf(loss), torch.zeros_like(loss), loss)
     else:
         loss = divergence_from_log_probs(student_logp, target_logp, kind=kind, jsd_beta=jsd_beta)
     with torch.no_grad():
-        if bool(torch.isneginf(student_logp[..., :-1]).any()):  # reduced vocabulary: the unrestricted target
+        if bool(torch.isneginf(student_logits.gather(-1, top_k_ids.long())).any()):  # reduced vocabulary:
+            # acceptance against the unrestricted target (its mass outside the set is never accepted)
             student_logp, target_logp = top_k_log_probs(student_logits.detach(), top_k_ids, top_k_logprobs,
                                                         temperature=temperature, drop_impossible=False)
         tvd = divergence_from_log_probs(student_logp.detach(), target_logp, kind="tvd")

@@ -56,6 +56,13 @@ def preflight(cfg: Config, export_run: Path) -> None:
     target = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)
     drafter = AutoTokenizer.from_pretrained(resolve_model(cfg.drafter.name).path)
     check_tokenizers(target, drafter, cfg.target.name, cfg.drafter.name)
+    size = cfg.drafter.draft_vocab_size
+    if size is not None and not 2 <= size <= len(drafter):
+        raise ConfigError(f"drafter.draft_vocab_size={size} must be between 2 and the drafter's {len(drafter)} "
+                          "tokens (e.g. 32000 for Qwen), or null for the full vocabulary")
+    if cfg.generate.store_top_k > len(target):
+        raise ConfigError(f"generate.store_top_k={cfg.generate.store_top_k} is more than the target's "
+                          f"{len(target)} tokens: use at most {len(target)} (20 is plenty)")
 
 
 def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:

@@ -59,6 +59,10 @@ def render_report_markdown(report: dict[str, Any]) -> str:
                   "", "1 - TV is the acceptance probability of speculative *sampling* at temperature 1 on the "
                   "target's own continuations (Leviathan et al. 2023, Cor. 3.6); greedy acceptance on new prompts "
                   "differs, so read the two as a trend, not as equals."]
+        if val.get("stored_top_k"):
+            lines += ["", f"Trained on the target's stored top-{val['stored_top_k']} log-probabilities: 1 - TV was "
+                      f"computed on those {val['stored_top_k']} tokens plus one bucket for the rest, which is an "
+                      "**upper bound** of the true value (far above it when k is small)."]
     hf = (report.get("baselines") or {}).get("hf_assisted")
     if hf:
         lines += ["", "## Transformers assisted generation, same distilled drafter and K", "",

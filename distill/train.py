@@ -197,6 +197,9 @@ def train_drafter(
     # Several processes (DDP): only the main one writes metrics, logs and shows a bar; every process
     # keeps the same history (the records hold all processes' figures).
     is_main = accelerator.is_main_process
+    if run.start_step >= max_steps:
+        log.warning("the checkpoint is at step %d, at or past max_steps=%d: nothing left to train (raise "
+                    "distill.max_steps to continue)", run.start_step, max_steps)
     history = _restart_metrics(output_dir, run.start_step, write=is_main)
     metrics_file = (output_dir / METRICS_FILE).open("a", encoding="utf-8") if is_main else None
     logger = logger if is_main else None
@@ -473,9 +476,10 @@ class _StreamSampler(Sampler[int]):
 
 
 def _usable_examples(examples: Sequence[dict], max_seq_len: int) -> list[dict]:
-    usable = []
+    usable, cut = [], 0
     for ex in examples:
         prompt, completion = _truncate(list(ex["prompt_ids"]), list(ex["completion_ids"]), max_seq_len)
+        cut += len(prompt) < len(ex["prompt_ids"]) or len(completion) < len(ex["completion_ids"])
         if len(prompt) + len(completion) - 1 - max(len(prompt) - 1, 0) > 0:
             kept = {"prompt_ids": prompt, "completion_ids": completion}
             if ex.get("top_k_ids") is not None:
@@ -488,6 +492,11 @@ def _usable_examples(examples: Sequence[dict], max_seq_len: int) -> list[dict]:
     if len(usable) < len(examples):
         log.warning("skipping %d of %d examples without completion tokens", len(examples) - len(usable),
                     len(examples))
+    if cut:
+        # the drafter then learns from a cut context (stored target log-probs saw the whole prompt)
+        log.warning("%d of %d examples are longer than max_seq_len=%d and were cut (prompt from the left, answer "
+                    "from the right): raise distill.max_seq_len to train on whole examples", cut, len(examples),
+                    max_seq_len)
     return usable
 
 

@@ -103,6 +103,7 @@ def drafter_info(cfg: Config, target: ResolvedModel, base: ResolvedModel) -> dic
             "base_name": cfg.drafter.name, "base_fingerprint": base.fingerprint, "init": cfg.drafter.init,
             "num_layers": cfg.drafter.num_layers, "layer_selection": cfg.drafter.layer_selection,
             "method": cfg.distill.method, "loss": cfg.distill.loss,
+            "target_source": cfg.distill.target_source, "on_policy_fraction": cfg.distill.on_policy_fraction,
             "draft_vocab_size": cfg.drafter.draft_vocab_size}
 
 
@@ -211,7 +212,8 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             mixed_precision=d.mixed_precision, resume_from=resume_from,
             on_policy_fraction=d.on_policy_fraction, on_policy_temperature=d.on_policy_temperature,
             eos_token_ids=eos_token_ids(drafter, drafter_tok))
-        logger.summary(metrics)
+        metrics["stored_top_k"] = gen_manifest.get("store_top_k") if stored else None  # k the targets were cut to
+        logger.summary({k: v for k, v in metrics.items() if v is not None})
     finally:
         logger.finish()
     parallel.barrier()  # every process has finished training before the main one saves

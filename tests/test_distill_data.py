@@ -315,3 +315,28 @@ def test_out_of_memory_in_a_step_says_what_to_lower(target, tmp_path, monkeypatc
     message = str(info.value)
     assert "step 3" in message and "8.00 GiB" in message and "distill.batch_size (now 2;" in message
     assert "checkpoint-2" in message  # the last good checkpoint, from which the same command resumes
+
+
+@pytest.mark.parametrize("kind", KINDS + ("ce",))
+def test_stored_log_probs_and_a_reduced_vocabulary_train_with_finite_gradients(target, kind):
+    from distill.reduced_vocab import reduce_vocabulary
+
+    examples = _stored_examples(target, k=16)
+    drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")
+    reduce_vocabulary(drafter, torch.arange(0, VOCAB, 3))  # many stored ids and labels fall outside
+    batch = collate(examples, pad_token_id=0, max_seq_len=64)
+    loss, _ = _loss_step(drafter, None, batch, LossSpec(kind))
+    loss.backward()
+    assert math.isfinite(loss.item()), kind
+    grads = [p.grad for p in drafter.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads), kind
+
+
+def test_pipeline_preflight_checks_the_new_sizes_before_generating(tmp_path):
+    proc = draftsmith("pipeline", "experiment=tiny", "drafter.draft_vocab_size=100000", f"outputs={tmp_path}",
+                      cwd=tmp_path)
+    assert proc.returncode == 2 and "drafter.draft_vocab_size=100000" in proc.stderr and "[1/4]" not in proc.stdout
+    proc = draftsmith("pipeline", "experiment=tiny", "generate.store_top_k=600", f"outputs={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 2 and "use at most" in proc.stderr and "[1/4]" not in proc.stdout
+    proc = draftsmith("generate", "experiment=tiny", "generate.store_top_k=600", f"outputs={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 2 and "use at most" in proc.stderr
