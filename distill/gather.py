@@ -92,18 +92,34 @@ def collect(sweep: Path) -> tuple[list[dict[str, Any]], list[str]]:
             report = json.loads(report_path.read_text())
             row["status"] = "finished"
             row.update({name: _dig(report, path) for name, path in FIGURES})
+            row["drafter"] = describe_drafter(report.get("drafter") or {})
         rows.append(row)
     if not rows:
         raise DraftsmithError(f"{sweep} holds no sweep job (no */.hydra/overrides.yaml): give the folder that "
                               f"`draftsmith <stage> -m ...` printed, e.g. outputs/multirun/pipeline/<time>")
-    keys = sorted({k for r in rows for k in r} - {"job", "status"} - {name for name, _ in FIGURES})
+    keys = sorted({k for r in rows for k in r} - {"job", "status", "drafter"} - {name for name, _ in FIGURES})
     swept = [k for k in keys if len({json.dumps(r.get(k), sort_keys=True) for r in rows}) > 1]
     return rows, swept
 
 
+def describe_drafter(info: dict[str, Any]) -> str:
+    """A short label of how a drafter was made, from its ``drafter_info.json``, e.g.
+    ``"4 layers, full, fkl, stored, on-policy 0.5"`` (what tells drafters apart in a sweep over
+    ``inputs.distill``)."""
+    parts = [f"{info['num_layers']} layers" if info.get("init") == "layers" else str(info.get("base_name") or "")]
+    parts += [str(info[k]) for k in ("method", "loss") if info.get(k)]
+    if info.get("target_source") == "stored":
+        parts.append("stored")
+    if info.get("on_policy_fraction"):
+        parts.append(f"on-policy {info['on_policy_fraction']:g}")
+    if info.get("draft_vocab_size"):
+        parts.append(f"vocab {info['draft_vocab_size']}")
+    return ", ".join(p for p in parts if p)
+
+
 def _columns(rows: list[dict[str, Any]], swept: list[str]) -> list[str]:
-    fixed = sorted({k for r in rows for k in r} - set(swept) - {"job", "status"} - {n for n, _ in FIGURES})
-    return ["job", *swept, "status", *(name for name, _ in FIGURES), *fixed]
+    fixed = sorted({k for r in rows for k in r} - set(swept) - {"job", "status", "drafter"} - {n for n, _ in FIGURES})
+    return ["job", *swept, "drafter", "status", *(name for name, _ in FIGURES), *fixed]
 
 
 def _fmt(value: Any) -> str:
@@ -119,7 +135,7 @@ def render(rows: list[dict[str, Any]], swept: list[str], sweep: Path) -> tuple[s
     writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    shown = ["job", *swept, "status", "acceptance_rate", "mean_accepted_tokens", "speedup",
+    shown = ["job", *swept, "drafter", "status", "acceptance_rate", "mean_accepted_tokens", "speedup",
              "baseline_speedup", "val_expected_acceptance", "distill_s", "outputs_match_target"]
     lines = [f"# Sweep {sweep}", "", f"{len(rows)} jobs; swept: {', '.join(swept) or 'nothing varies'}.", "",
              "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
@@ -138,16 +154,21 @@ def plot(rows: list[dict[str, Any]], swept: list[str], folder: Path) -> list[Pat
     done = [r for r in rows if r["status"] == "finished"]
     written = []
     for key in swept:
-        fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+        fig, axes = plt.subplots(1, 2, figsize=(9, 4))
         groups: dict[str, list[dict]] = {}
         for r in done:
             label = ", ".join(f"{k}={r.get(k)}" for k in swept if k != key) or "all jobs"
             groups.setdefault(label, []).append(r)
         for label, members in groups.items():
             members.sort(key=lambda r: (str(type(r.get(key))), r.get(key)))
-            xs = [str(r.get(key)) for r in members]
+            # long values (run folders swept as inputs.distill) are told apart by their drafter instead
+            xs = [str(r.get(key)) if len(str(r.get(key))) <= 24 else r.get("drafter") or r["job"] for r in members]
             axes[0].plot(xs, [r.get("speedup") or 0.0 for r in members], marker="o", label=label)
             axes[1].plot(xs, [r.get("acceptance_rate") or 0.0 for r in members], marker="o", label=label)
+        if any(len(str(x)) > 8 for ax in axes for line in ax.get_lines() for x in line.get_xdata()):
+            for ax in axes:
+                ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+                plt.setp(ax.get_xticklabels(), ha="right")
         axes[0].set(xlabel=key, ylabel="speedup vs target alone")
         axes[1].set(xlabel=key, ylabel="acceptance rate", ylim=(0, 1))
         if len(groups) > 1:
