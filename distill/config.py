@@ -136,6 +136,8 @@ class DistillConfig:
     mixed_precision: str = "bf16"  # no | bf16 | fp16: autocast for the drafter's forward (weights stay fp32)
     val_fraction: float = 0.1  # share of generated examples held out for the validation metric
     checkpoint_every: int = 10  # optimizer steps between checkpoints (0 = only at the end)
+    # newest checkpoints kept on disk (0 = all): a full 0.5B checkpoint with optimizer state is ~6 GB
+    keep_checkpoints: int = 2
     # auto: continue the newest unfinished run of the same data and settings from its last checkpoint
     # (run the same command again after a crash); never: start fresh; or a checkpoint-<step> folder
     resume: str = "auto"
@@ -166,6 +168,7 @@ class DistillConfig:
         _check(self.max_seq_len >= 8, "distill.max_seq_len", "must be >= 8")
         _check(0.0 <= self.val_fraction < 1.0, "distill.val_fraction", "must be in [0, 1)")
         _check(self.checkpoint_every >= 0, "distill.checkpoint_every", "must be >= 0")
+        _check(self.keep_checkpoints >= 0, "distill.keep_checkpoints", "must be >= 0 (0 = keep all)")
 
 
 @dataclass

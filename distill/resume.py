@@ -28,7 +28,7 @@ from distill.train import STATE_FILE
 RESUME_KEY = "resume_key.json"
 LOCK = ".distill.lock"  # held while a run trains: a live run's checkpoints are never taken over
 CHECKPOINTS = "checkpoints"
-_NOT_IN_KEY = ("max_steps", "checkpoint_every", "resume")
+_NOT_IN_KEY = ("max_steps", "checkpoint_every", "resume", "keep_checkpoints")
 
 
 def resume_key(cfg: Config, data_identity: str, target_fingerprint: str) -> str:

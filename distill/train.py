@@ -89,6 +89,7 @@ def train_drafter(
     on_policy_fraction: float = 0.0,
     on_policy_temperature: float = 1.0,
     eos_token_ids: Sequence[int] = (),
+    keep_checkpoints: int = 0,
 ) -> dict[str, Any]:
     """Distil ``target`` into ``drafter`` on the target's answers; the drafter is trained in place.
 
@@ -134,6 +135,8 @@ def train_drafter(
         seed: data order and (on a fresh start) ``accelerate.utils.set_seed``; >= 0.
         output_dir: folder for ``metrics.jsonl`` and checkpoints (created).
         checkpoint_every: save every N steps (0 = only at the end); the last step always saves.
+        keep_checkpoints: keep only the newest N ``checkpoint-<step>`` folders (0 = all); older
+            ones are deleted after a newer one is complete.
         resume_from: a ``checkpoint-<step>`` folder of an earlier run with the same examples,
             seed, batch_size and grad_accum; ``drafter`` must be built the same way (its
             weights are overwritten from the checkpoint). ``max_steps`` and ``warmup_steps`` may
@@ -253,6 +256,8 @@ def train_drafter(
             if (checkpoint_every and step % checkpoint_every == 0) or step == max_steps:
                 checkpoint = _save_checkpoint(run, output_dir, step=step, examples_seen=examples_seen,
                                               tokens_seen=tokens_seen)
+                if keep_checkpoints and is_main:
+                    _prune_checkpoints(output_dir, keep_checkpoints)
     finally:
         train_s = time.perf_counter() - t_start
         if metrics_file is not None:
@@ -697,6 +702,14 @@ def _save_checkpoint(run: _Run, output_dir: Path, *, step: int, examples_seen: i
             os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+def _prune_checkpoints(output_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (by step)."""
+    found = sorted((int(p.name.split("-", 1)[1]), p) for p in output_dir.glob("checkpoint-*")
+                   if p.name.split("-", 1)[1].isdigit() and (p / STATE_FILE).is_file())
+    for _, path in found[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _read_state(path: Path, data_key: dict) -> dict:

@@ -340,3 +340,12 @@ def test_pipeline_preflight_checks_the_new_sizes_before_generating(tmp_path):
     assert proc.returncode == 2 and "use at most" in proc.stderr and "[1/4]" not in proc.stdout
     proc = draftsmith("generate", "experiment=tiny", "generate.store_top_k=600", f"outputs={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2 and "use at most" in proc.stderr
+
+
+def test_only_the_newest_checkpoints_are_kept(target, tmp_path):
+    drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")
+    train_drafter(drafter, target, _plain_examples(), max_steps=5, batch_size=2, checkpoint_every=1,
+                  keep_checkpoints=2, output_dir=tmp_path, progress=False)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5"]
+    with pytest.raises(ConfigError, match="keep_checkpoints"):
+        DistillConfig(keep_checkpoints=-1)
