@@ -306,8 +306,9 @@ class Config:
 
 
 def _slug(text: str) -> str:
-    """A single folder name from override text: no "/", at most 120 characters."""
-    text = str(text).replace("/", "_").replace("\\", "_") or "default"
+    """A single folder name from override text: no "/" and no quotes (Hydra's quoting of values that hold
+    commas), at most 120 characters."""
+    text = str(text).replace("/", "_").replace("\\", "_").replace("'", "").replace('"', "") or "default"
     return text if len(text) <= 120 else text[:100] + "-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -154,6 +154,7 @@ def test_sweep_folder_names_are_single_folders():
     long = _slug("x=" + "a" * 500)
     assert len(long) <= 120 and "/" not in long and long != _slug("x=" + "a" * 499)
     assert _slug("") == "default"
+    assert _slug("inputs.distill='/runs/0_loss=fkl,lr=2e-4'") == "inputs.distill=_runs_0_loss=fkl,lr=2e-4"
 
 
 def test_slurm_launcher_config_composes():
