@@ -35,6 +35,7 @@ from distill.reduced_vocab import (
 )
 from distill.tiny import tiny_model, tiny_tokenizer
 from distill.train import train_drafter
+from tests.test_speculative import first_token_frequencies
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 100, 250, 3, 3, 3, 9, 12, 61, 200, 5]]
@@ -216,13 +217,7 @@ def test_sampling_with_reduced_drafter_follows_target_distribution():
         target_probs = torch.softmax(small_target(prompt).logits[0, -1] / temperature, -1)
         draft_probs = torch.softmax(small_drafter(prompt).logits[0, -1] / temperature, -1)
     assert (draft_probs[[1, 4, 5]] == 0).all() and target_probs[[1, 4, 5]].sum() > 0.05
-    generator = torch.Generator().manual_seed(0)
-    counts = torch.zeros(vocab)
-    for _ in range(num_runs):
-        out = speculative_generate(small_target, small_drafter, prompt, draft_length=1, max_new_tokens=2,
-                                   eos_token_ids=[], temperature=temperature, generator=generator)
-        counts[out.new_tokens[0]] += 1
-    empirical = counts / num_runs
+    empirical = first_token_frequencies(small_target, small_drafter, prompt, vocab, num_runs, temperature)
     tv = 0.5 * (empirical - target_probs).abs().sum().item()
     assert 0.5 * (draft_probs - target_probs).abs().sum().item() > 0.2  # the drafter alone would be far off
     assert tv < 0.06

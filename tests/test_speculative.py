@@ -268,6 +268,18 @@ def test_sampling_with_target_as_drafter_accepts_everything(target):
     assert out.stats.acceptance_rate == 1.0
 
 
+def first_token_frequencies(target, drafter, prompt, vocab: int, num_runs: int, temperature: float) -> torch.Tensor:
+    """Empirical distribution ``(vocab,)`` of the first token speculative sampling emits after ``prompt``
+    ``(1, seq)``, over ``num_runs`` seeded runs with K = 1 (shared by the statistical exactness tests)."""
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(vocab)
+    for _ in range(num_runs):
+        out = speculative_generate(target, drafter, prompt, draft_length=1, max_new_tokens=2,
+                                   eos_token_ids=[], temperature=temperature, generator=generator)
+        counts[out.new_tokens[0]] += 1
+    return counts / num_runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_first_token_follows_target_distribution(temperature):
@@ -284,13 +296,7 @@ def test_first_token_follows_target_distribution(temperature):
     with torch.no_grad():
         target_probs = torch.softmax(small_target(prompt).logits[0, -1] / temperature, -1)
         draft_probs = torch.softmax(small_drafter(prompt).logits[0, -1] / temperature, -1)
-    generator = torch.Generator().manual_seed(0)
-    counts = torch.zeros(vocab)
-    for _ in range(num_runs):
-        out = speculative_generate(small_target, small_drafter, prompt, draft_length=1, max_new_tokens=2,
-                                   eos_token_ids=[], temperature=temperature, generator=generator)
-        counts[out.new_tokens[0]] += 1
-    empirical = counts / num_runs
+    empirical = first_token_frequencies(small_target, small_drafter, prompt, vocab, num_runs, temperature)
 
     def tv(a, b):
         return 0.5 * (a - b).abs().sum().item()
