@@ -23,6 +23,7 @@ from decode.metrics import DecodeStats
 from decode.quantization import quantize_drafter, resolve_quantization
 from decode.speculative import speculative_generate, target_generate
 from distill.config import Config
+from distill.drafters import describe_layers
 from distill.errors import TokenizerMismatchError
 from distill.models import eos_token_ids, load_model, tokenizers_compatible
 from distill.prompts import encode_prompt, load_prompts, split_prompts
@@ -107,7 +108,7 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     rows = [m.get_output_embeddings().out_features for m in (target, drafter)]
     result: dict[str, Any] = {
         "target": cfg.target.name, "drafter": cfg.drafter.name if cfg.drafter.init == "sibling"
-        else f"{cfg.drafter.name} ({cfg.drafter.layer_selection} {cfg.drafter.num_layers} layers)",
+        else f"{cfg.drafter.name} ({describe_layers(cfg.drafter.num_layers, cfg.drafter.layer_selection, cfg.drafter.layers)})",
         "tokenizers_compatible": ok, "tokenizer_detail": why, "vocab_rows": rows,
     }
     if not ok:

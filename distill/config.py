@@ -47,6 +47,9 @@ class DrafterConfig:
     init: str = "sibling"  # sibling: the whole base model; layers: a depth-pruned copy of it
     num_layers: Optional[int] = None  # with init=layers: decoder layers kept
     layer_selection: str = "first"  # with init=layers: first N, or N evenly spaced
+    # with init=layers: explicit decoder layer indices to keep, ascending (e.g. [0,1,2,15,...,23]); overrides
+    # num_layers and layer_selection. Keeping the first few and the last layers starts far better than either.
+    layers: Optional[list[int]] = None
     dtype: str = "bfloat16"  # dtype when decoding (training runs in float32)
     # EAGLE-3-style reduced vocabulary: the drafter's LM head predicts only the N most frequent tokens of the
     # training completions (e.g. 32000); null = the full vocabulary. Decoding stays lossless.
@@ -57,6 +60,16 @@ class DrafterConfig:
         _check(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "drafter.draft_vocab_size",
                f"must be >= 1 (e.g. 32000), or null for the full vocabulary; got {self.draft_vocab_size}")
         _check(self.layer_selection in ("first", "even"), "drafter.layer_selection", "must be 'first' or 'even'")
+        if self.layers is not None:
+            _check(self.init == "layers", "drafter.layers",
+                   "applies to drafter.init=layers only: add drafter.init=layers (or drafter=pruned)")
+            keep = list(self.layers)
+            _check(len(keep) >= 1 and all(isinstance(i, int) and i >= 0 for i in keep), "drafter.layers",
+                   f"must be a non-empty list of layer indices >= 0, e.g. [0,1,2,21,22,23]; got {keep}")
+            _check(keep == sorted(set(keep)), "drafter.layers",
+                   f"must be ascending without repeats (layers run in the base model's order); got {keep}")
+            self.layers = keep
+            self.num_layers = len(keep)  # what reports and labels show
         if self.init == "layers":
             _check(self.num_layers is not None and self.num_layers >= 1, "drafter.num_layers",
                    "must be >= 1 when drafter.init=layers")

@@ -55,6 +55,7 @@ def build_drafter(
     init: str = "sibling",
     num_layers: int | None = None,
     layer_selection: str = "first",
+    layers: list[int] | None = None,
     lora: LoraSettings | None = None,
 ) -> nn.Module:
     """Make the drafter to be distilled from ``base_model``.
@@ -68,6 +69,11 @@ def build_drafter(
         num_layers: with ``init="layers"``: how many decoder layers to keep, 1..L.
         layer_selection: ``"first"`` keeps layers ``0..N-1``; ``"even"`` keeps N evenly spaced
             layers including the first and the last (see :func:`select_layers`).
+        layers: with ``init="layers"``: explicit indices to keep (ascending, each < L); overrides
+            ``num_layers`` and ``layer_selection``. Keeping the first few and the last layers
+            (e.g. ``[0, 1, 2, 15, ..., 23]`` of 24) starts from a far better drafter than either
+            selection: on the 0.5B, teacher-forced top-1 agreement with the 1.5B target is 0.42
+            for that choice against 0.05 for 12 evenly spaced layers (RESULTS.md).
         lora: ``None`` trains every parameter; otherwise the model is wrapped in a peft
             ``PeftModel`` with adapters on the attention and MLP projections
             (``LORA_TARGET_MODULES``) and only the adapters are trainable.
@@ -76,18 +82,25 @@ def build_drafter(
         The drafter, in training mode, on the base model's device and dtype.
 
     Raises:
-        ValueError: unknown ``init``/``layer_selection``, ``num_layers`` out of range or given
-            with ``init="sibling"``, or a model whose decoder layers cannot be found.
+        ValueError: unknown ``init``/``layer_selection``, ``num_layers``/``layers`` out of range or
+            given with ``init="sibling"``, or a model whose decoder layers cannot be found.
     """
     if init == "sibling":
-        if num_layers is not None:
-            raise ValueError("num_layers applies to init='layers' only; drop it or set init='layers'")
+        if num_layers is not None or layers is not None:
+            raise ValueError("num_layers/layers apply to init='layers' only; drop them or set init='layers'")
         model = base_model
     elif init == "layers":
-        if num_layers is None:
-            raise ValueError("init='layers' needs num_layers (how many decoder layers to keep)")
         total = len(_decoder_layers(base_model))
-        model = cut_layers(base_model, select_layers(total, num_layers, layer_selection))
+        if layers is not None:
+            keep = list(layers)
+            if not keep or keep != sorted(set(keep)) or keep[0] < 0 or keep[-1] >= total:
+                raise ValueError(f"layers must be ascending, unique indices in 0..{total - 1} (the base model has "
+                                 f"{total} decoder layers); got {keep}")
+        elif num_layers is None:
+            raise ValueError("init='layers' needs num_layers (how many decoder layers to keep) or layers")
+        else:
+            keep = select_layers(total, num_layers, layer_selection)
+        model = cut_layers(base_model, keep)
     else:
         raise ValueError(f"init must be 'sibling' or 'layers', got {init!r}")
 
@@ -122,6 +135,21 @@ def select_layers(total: int, num_layers: int, selection: str = "first") -> list
             return [0]
         return [i * (total - 1) // (num_layers - 1) for i in range(num_layers)]
     raise ValueError(f"layer_selection must be 'first' or 'even', got {selection!r}")
+
+
+def describe_layers(num_layers: int | None, layer_selection: str = "first", layers: list[int] | None = None) -> str:
+    """A short label of a depth-pruned drafter's layers for reports, labels and model cards, e.g.
+    ``"first 4 layers"``, ``"4 evenly spaced layers"`` or ``"12 layers [0-2, 15-23]"``."""
+    if layers:
+        spans, start = [], layers[0]
+        for prev, cur in zip(layers, layers[1:] + [None]):
+            if cur != prev + 1:
+                spans.append(str(start) if start == prev else f"{start}-{prev}")
+                start = cur
+        return f"{len(layers)} layers [{', '.join(spans)}]"
+    if layer_selection == "even":
+        return f"{num_layers} evenly spaced layers"
+    return f"first {num_layers} layers"
 
 
 def cut_layers(base_model: nn.Module, keep: list[int]) -> nn.Module:

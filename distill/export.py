@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill.config import Config
+from distill.drafters import describe_layers
 from distill.errors import DraftsmithError
 from distill.evaluate import REPORT_JSON
 from distill.gguf_export import export_gguf
@@ -63,7 +64,8 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
         "---", "library_name: transformers", "tags: [speculative-decoding, draft-model, draftsmith]", "---", "",
         f"# Draft model for `{info['target_name']}`", "",
         f"A drafter for speculative decoding, initialised from `{info['base_name']}` ({info['init']}"
-        + (f", first {info['num_layers']} decoder layer(s)" if info.get("num_layers") else "") + f") and distilled with draftsmith "
+        + (", " + describe_layers(info["num_layers"], info.get("layer_selection") or "first", info.get("layers"))
+           if info.get("num_layers") else "") + f") and distilled with draftsmith "
         f"({info['method']}, loss `{info['loss']}`) on the target's own answers.", "",
         f"Tuned for target `{info['target_name']}` (fingerprint `{info['target_fingerprint']}`). "
         "Use it only with that target: acceptance depends on matching its distributions.", "",

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from distill.config import Config
+from distill.drafters import describe_layers
 from distill.errors import DraftsmithError
 from distill.rundir import StageRun, write_text_atomic
 
@@ -106,7 +107,8 @@ def describe_drafter(info: dict[str, Any]) -> str:
     """A short label of how a drafter was made, from its ``drafter_info.json``, e.g.
     ``"4 layers, full, fkl, stored, on-policy 0.5"`` (what tells drafters apart in a sweep over
     ``inputs.distill``)."""
-    parts = [f"{info['num_layers']} layers" if info.get("init") == "layers" else str(info.get("base_name") or "")]
+    parts = [describe_layers(info["num_layers"], info.get("layer_selection") or "first", info.get("layers"))
+             if info.get("init") == "layers" else str(info.get("base_name") or "")]
     parts += [str(info[k]) for k in ("method", "loss") if info.get(k)]
     if info.get("target_source") == "stored":
         parts.append("stored")

@@ -61,7 +61,7 @@ def initial_drafter(cfg: Config, dtype: str = "float32", lora: LoraSettings | No
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     try:
         model = build_drafter(base, init=cfg.drafter.init, num_layers=cfg.drafter.num_layers,
-                              layer_selection=cfg.drafter.layer_selection, lora=lora)
+                              layer_selection=cfg.drafter.layer_selection, layers=cfg.drafter.layers, lora=lora)
     except ValueError as err:  # e.g. more layers asked for than the base model has
         raise ConfigError(f"drafter (drafter.*, distill.lora_*): {err}") from err
     return model, tokenizer, resolved
@@ -102,6 +102,7 @@ def drafter_info(cfg: Config, target: ResolvedModel, base: ResolvedModel) -> dic
     return {"target_name": cfg.target.name, "target_fingerprint": target.fingerprint,
             "base_name": cfg.drafter.name, "base_fingerprint": base.fingerprint, "init": cfg.drafter.init,
             "num_layers": cfg.drafter.num_layers, "layer_selection": cfg.drafter.layer_selection,
+            "layers": cfg.drafter.layers,
             "method": cfg.distill.method, "loss": cfg.distill.loss,
             "target_source": cfg.distill.target_source, "on_policy_fraction": cfg.distill.on_policy_fraction,
             "draft_vocab_size": cfg.drafter.draft_vocab_size}

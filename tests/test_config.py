@@ -146,6 +146,17 @@ def test_num_layers_without_layers_init_says_how_to_drop_it():
         _compose("experiment=tiny", "drafter.init=sibling")
 
 
+def test_explicit_layers_set_num_layers_and_are_checked():
+    cfg = _compose("drafter=pruned", "drafter.layers=[0,1,2,22,23]")
+    assert cfg.drafter.layers == [0, 1, 2, 22, 23] and cfg.drafter.num_layers == 5
+    with pytest.raises(ConfigError, match=r"drafter\.layers.*drafter\.init=layers"):
+        _compose("drafter.layers=[0,1]")
+    with pytest.raises(ConfigError, match=r"drafter\.layers.*ascending"):
+        _compose("drafter=pruned", "drafter.layers=[3,1]")
+    with pytest.raises(ConfigError, match=r"drafter\.layers"):
+        _compose("drafter=pruned", "drafter.layers=[-1,2]")
+
+
 def test_sweep_folder_names_are_single_folders():
     from distill.config import _slug
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from distill.drafters import LoraSettings, build_drafter, count_parameters, merge_drafter, select_layers
+from distill.drafters import (LoraSettings, build_drafter, count_parameters, describe_layers, merge_drafter,
+                              select_layers)
 
 VOCAB = 300
 
@@ -57,6 +58,31 @@ def test_even_layers_copies_the_right_layers(base):
     assert [layer.self_attn.layer_idx for layer in base.model.layers] == list(range(6))
     trainable, total = count_parameters(drafter)
     assert trainable == total and drafter.training
+
+
+def test_explicit_layers_keep_exactly_those(base, input_ids):
+    drafter = build_drafter(base, init="layers", layers=[0, 1, 5], num_layers=99, layer_selection="even")
+    assert drafter.config.num_hidden_layers == 3 and len(drafter.config.layer_types) == 3
+    for new_idx, old_idx in enumerate([0, 1, 5]):
+        layer = drafter.model.layers[new_idx]
+        assert layer.self_attn.layer_idx == new_idx
+        assert torch.equal(layer.self_attn.q_proj.weight, base.model.layers[old_idx].self_attn.q_proj.weight)
+    # all layers listed = the base model itself
+    whole = build_drafter(base, init="layers", layers=list(range(6))).eval()
+    with torch.no_grad():
+        assert torch.equal(whole(input_ids).logits, base(input_ids).logits)
+    for bad in ([0, 6], [2, 1], [1, 1], []):
+        with pytest.raises(ValueError, match=r"0\.\.5"):
+            build_drafter(base, init="layers", layers=bad)
+    with pytest.raises(ValueError, match="init='layers'"):
+        build_drafter(base, init="sibling", layers=[0])
+
+
+def test_describe_layers():
+    assert describe_layers(4) == "first 4 layers"
+    assert describe_layers(4, "even") == "4 evenly spaced layers"
+    assert describe_layers(12, "first", [0, 1, 2, *range(15, 24)]) == "12 layers [0-2, 15-23]"
+    assert describe_layers(4, "first", [0, 5, 7, 8]) == "4 layers [0, 5, 7-8]"
 
 
 def test_all_layers_reproduce_the_base(base, input_ids):

@@ -162,6 +162,13 @@ def test_pipeline_preflight_refuses_before_generating(tmp_path):
     assert "[1/4]" not in proc.stdout
 
 
+def test_pipeline_refuses_layers_the_base_model_lacks_before_generating(tmp_path):
+    for override, says in (("drafter.layers=[0,7]", "decoder layers 0..1"), ("drafter.num_layers=5", "at most 2")):
+        proc = draftsmith("pipeline", "experiment=tiny", override, f"outputs={tmp_path}/outputs", cwd=tmp_path)
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-500:]
+        assert "[1/4]" not in proc.stdout
+
+
 def test_edited_prompt_file_is_not_served_from_stale_shards(tmp_path):
     prompts = tmp_path / "prompts.txt"
     args = ["generate", "experiment=tiny", "data=file", f"data.path={prompts}", f"outputs={tmp_path}/outputs",
