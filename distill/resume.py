@@ -8,7 +8,10 @@ for the newest *unfinished* distill run (no ``COMPLETE``) with the same key
 and a complete ``checkpoint-<step>``, takes over its ``checkpoints/`` folder
 (moved, not copied: the old run is dead) and continues from the last
 checkpoint with the same optimizer state and data order
-(``distill.train.train_drafter(resume_from=...)``).
+(``distill.train.train_drafter(resume_from=...)``). The new run's ``log.jsonl``
+starts with the old run's records up to that checkpoint, and the rest of the old
+run folder (config, logs) moves to ``<new run>/attempts/<old name>``, so no dead
+folder is left among the runs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from distill.train import STATE_FILE
 RESUME_KEY = "resume_key.json"
 LOCK = ".distill.lock"  # held while a run trains: a live run's checkpoints are never taken over
 CHECKPOINTS = "checkpoints"
+ATTEMPTS = "attempts"  # earlier, killed runs that this one continued
+LOG = "log.jsonl"  # distill.tracking.JsonlLogger's file
 _NOT_IN_KEY = ("max_steps", "checkpoint_every", "resume", "keep_checkpoints")
 
 
@@ -119,5 +124,30 @@ def prepare_resume(cfg: Config, run_dir: Path, key: str) -> tuple[Path | None, d
     if target.exists() and not any(target.iterdir()):
         target.rmdir()
     os.replace(old_run / CHECKPOINTS, target)  # same file system: a rename
-    print(f"distill: resuming {old_run} from {checkpoint.name} (its checkpoints moved to {target})")
-    return target / checkpoint.name, {"resumed_from": str(checkpoint), "resumed_run": str(old_run)}
+    step = int(checkpoint.name.split("-", 1)[1])
+    _continue_log(old_run / LOG, run_dir / LOG, step)
+    kept = run_dir / ATTEMPTS / old_run.name
+    try:
+        kept.parent.mkdir(exist_ok=True)
+        os.replace(old_run, kept)
+    except OSError:  # another file system: leave it where it was, emptied of its checkpoints
+        kept = old_run
+    print(f"distill: resuming {old_run} from {checkpoint.name} (its checkpoints moved to {target}, "
+          f"the rest of it to {kept})")
+    return target / checkpoint.name, {"resumed_from": str(target / checkpoint.name), "resumed_run": str(old_run)}
+
+
+def _continue_log(old: Path, new: Path, step: int) -> None:
+    """Start ``new`` with the step records of ``old`` up to ``step`` (those after it are redone)."""
+    if not old.is_file():
+        return
+    kept = []
+    for line in old.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut by the kill
+            continue
+        if isinstance(record.get("step"), int) and record["step"] <= step and "summary" not in record:
+            kept.append(line + "\n")
+    with new.open("a", encoding="utf-8") as handle:
+        handle.writelines(kept)

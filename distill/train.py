@@ -189,10 +189,16 @@ def train_drafter(
                  mixed_precision=mixed_precision)
     accelerator, drafter, optimizer, scheduler = run.accelerator, run.drafter, run.optimizer, run.scheduler
     result: dict[str, Any] = {}
+    before: dict | None = None
     if val_examples:
-        result.update(_prefixed(validate(drafter, target, val_examples, loss=loss, jsd_beta=jsd_beta,
-                                         temperature=temperature, batch_size=batch_size,
-                                         max_seq_len=max_seq_len, pad_token_id=pad_token_id), "before"))
+        # A resumed run reports the validation of the untrained drafter that its checkpoint carries,
+        # not of the half-trained one it restarts from.
+        before = (run.state or {}).get("validation_before")
+        if before is None:
+            before = _prefixed(validate(drafter, target, val_examples, loss=loss, jsd_beta=jsd_beta,
+                                        temperature=temperature, batch_size=batch_size,
+                                        max_seq_len=max_seq_len, pad_token_id=pad_token_id), "before")
+        result.update(before)
 
     batches = iter(run.loader)  # before restoring the RNG: creating an iterator may draw from it
     if run.state is not None:
@@ -255,7 +261,7 @@ def train_drafter(
             _log_step(record, metrics_file, logger, bar)
             if (checkpoint_every and step % checkpoint_every == 0) or step == max_steps:
                 checkpoint = _save_checkpoint(run, output_dir, step=step, examples_seen=examples_seen,
-                                              tokens_seen=tokens_seen)
+                                              tokens_seen=tokens_seen, validation_before=before)
                 if keep_checkpoints and is_main:
                     _prune_checkpoints(output_dir, keep_checkpoints)
     finally:
@@ -667,8 +673,13 @@ def _prefixed(metrics: dict, when: str) -> dict:
 # save / resume
 
 
-def _save_checkpoint(run: _Run, output_dir: Path, *, step: int, examples_seen: int, tokens_seen: int) -> Path:
-    """Write ``checkpoint-<step>/`` atomically (temp folder, then rename) and return its path."""
+def _save_checkpoint(run: _Run, output_dir: Path, *, step: int, examples_seen: int, tokens_seen: int,
+                     validation_before: dict | None = None) -> Path:
+    """Write ``checkpoint-<step>/`` atomically (temp folder, then rename) and return its path.
+
+    ``validation_before`` (the untrained drafter's validation figures) rides in the state file so
+    that a resumed run reports them rather than re-measuring the half-trained drafter.
+    """
     accelerator = run.accelerator
     final = output_dir / f"checkpoint-{step}"
     accelerator.wait_for_everyone()
@@ -691,6 +702,8 @@ def _save_checkpoint(run: _Run, output_dir: Path, *, step: int, examples_seen: i
                                 f"command again to resume") from err
         state = {"format": STATE_FORMAT, "step": step, "examples_seen": examples_seen,
                  "tokens_seen": tokens_seen, "data": run.data_key, "rng": _get_rng_state()}
+        if validation_before:
+            state["validation_before"] = validation_before
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
         if final.exists():
             old = output_dir / f".checkpoint-{step}.old"

@@ -81,7 +81,7 @@ def test_killed_distill_resumes_with_the_same_command(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     gen = next(out.glob("generate/*"))
     args = ["distill", "experiment=tiny", f"inputs.generate={gen}", "distill.max_steps=150",
-            "distill.checkpoint_every=20", "logger=none"]
+            "distill.checkpoint_every=20", "distill.val_fraction=0.25", "logger=jsonl"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     killed = subprocess.Popen([sys.executable, "-m", "distill.cli", *args, f"outputs={out}"], cwd=tmp_path, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -96,17 +96,27 @@ def test_killed_distill_resumes_with_the_same_command(tmp_path):
     resumed = draftsmith(*args, f"outputs={out}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming" in resumed.stdout
-    [new] = [p for p in out.glob("distill/*") if p != dead]
+    [new] = list(out.glob("distill/*"))  # the dead run's folder moved into the new one
+    assert new != dead and not dead.exists()
+    assert (new / "attempts" / dead.name / "config.yaml").is_file()
+    assert not (new / "attempts" / dead.name / "checkpoints").exists()
     manifest = json.loads((new / "manifest.json").read_text())
     assert manifest["resumed_run"] == str(dead)
     step = int(Path(manifest["resumed_from"]).name.split("-")[1])
     assert 40 <= step < 150
+    # one log for the whole run: the killed run's steps up to the checkpoint, then the rest
+    logged = [json.loads(line)["step"] for line in (new / "log.jsonl").read_text().splitlines()]
+    assert [s for s in logged if isinstance(s, int) and s >= 1] == list(range(1, 151))
 
     fresh = draftsmith(*args, "distill.resume=never", f"outputs={tmp_path / 'fresh'}", cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     [uninterrupted] = list((tmp_path / "fresh").glob("distill/*"))
     assert _losses(new) == pytest.approx(_losses(uninterrupted), rel=1e-4, abs=1e-6)
     assert len(_losses(new)) == 150
+    # "before" is the untrained drafter's validation, carried by the checkpoint, not the resume point's
+    before = {k: v for k, v in manifest["train"].items() if k.endswith("_before")}
+    fresh_manifest = json.loads((uninterrupted / "manifest.json").read_text())
+    assert before and before == pytest.approx({k: fresh_manifest["train"][k] for k in before}, rel=1e-6)
 
 
 @pytest.mark.slow
