@@ -227,11 +227,17 @@ class EvaluateConfig:
     num_prompts: int = 6  # held-out evaluation prompts (never used for training)
     hf_assisted: bool = True  # also time transformers' assisted generation with the tuned drafter
     baseline: bool = True  # also measure the undistilled drafter
+    # other drafters measured untrained in the same run, on the same prompts (shipped names or model folders),
+    # e.g. "[qwen2.5-coder-0.5b-instruct]" to check a depth-pruned drafter against the whole sibling
+    compare_drafters: list[str] = field(default_factory=list)
     target_engine: str = "hf"  # target-alone baseline: hf = transformers generate, loop = our KV-cached loop
     seed: int = 0
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "evaluate.num_prompts", "must be >= 1")
+        _check(all(isinstance(n, str) and n.strip() for n in self.compare_drafters), "evaluate.compare_drafters",
+               f"must be a list of model names or folders, e.g. [qwen2.5-coder-0.5b-instruct]; got {self.compare_drafters}")
+        self.compare_drafters = list(self.compare_drafters)
         _check(self.target_engine in ("hf", "loop"), "evaluate.target_engine",
                f"must be hf or loop, got {self.target_engine!r}")
 

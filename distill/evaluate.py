@@ -51,6 +51,9 @@ def _log_report(cfg: Config, run_dir: Path, report: dict[str, Any], plots: list[
         figures = {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         figures.update({f"baseline_drafter/{k}": v for k, v in base.items()
                         if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        for name, other in (report.get("compared_drafters") or {}).items():
+            figures.update({f"{name}/{k}": v for k, v in other.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
         logger.summary(figures)
         for plot in plots:
             if hasattr(logger, "log_image"):
@@ -101,7 +104,13 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         base, base_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
         base.eval()
-    vocab = min(m.get_output_embeddings().out_features for m in (target, tuned, base) if m is not None)
+    others = {}
+    for name in cfg.evaluate.compare_drafters:  # loaded up front too, for the same reason
+        other, other_tok, _ = load_model(name, dtype=cfg.drafter.dtype)
+        check_tokenizers(tokenizer, other_tok, cfg.target.name, name)
+        others[name] = other
+    vocab = min(m.get_output_embeddings().out_features
+                for m in (target, tuned, base, *others.values()) if m is not None)
     quantization = resolve_quantization(dec.drafter_quantization, target.device)
     tuned_run = quantize_drafter(tuned, quantization)  # the drafter as the decoder runs it
     print(f"evaluate: target alone on {len(prompts)} held-out prompts")
@@ -114,6 +123,12 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         report["baseline_drafter"] = benchmark(target, quantize_drafter(base, quantization), prompts,
                                                hf_assisted=False, target_outputs=alone, **settings)
         del base
+    if others:
+        report["compared_drafters"] = {}
+    for name in list(others):
+        print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts")
+        report["compared_drafters"][name] = benchmark(target, quantize_drafter(others.pop(name), quantization),
+                                                      prompts, hf_assisted=False, target_outputs=alone, **settings)
     del tuned_run
 
     report.update({

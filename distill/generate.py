@@ -1,10 +1,11 @@
 """Stage 1: the target answers the training prompts (synthetic distillation data).
 
 Prompts are answered in batches and written in shards of ``generate.shard_size``
-prompts, each shard atomically. Shards live in a cache folder keyed by
-everything that determines their content (target fingerprint, prompt ids,
-sampling settings, seed), so running the same command again after a crash
-reuses every finished shard and resumes at the first unfinished one.
+prompts, each shard atomically. Shards live in a cache folder keyed by the
+target and the sampling settings, each named by its position and its prompts
+(ids and texts), so running the same command again after a crash reuses every
+finished shard and resumes at the first unfinished one, and a run with a larger
+``generate.num_prompts`` only answers the new prompts.
 
 Output (run folder): ``dataset/`` (a ``datasets`` dataset, one row per prompt; with
 ``generate.store_top_k=k`` each row also holds the target's top-k token ids and
@@ -49,17 +50,24 @@ def select_prompts(cfg: Config, skipped: list[str] | None = None) -> tuple[list[
                          seed=cfg.data.seed)
 
 
-def _shard_key(fingerprint: str, prompts: list[Prompt], cfg: Config) -> str:
-    """Everything that decides a shard's content: the target, the prompts' ids *and* texts, the settings."""
+def _shard_key(fingerprint: str, cfg: Config) -> str:
+    """The settings every shard of a run shares: the target and the generation settings (not the prompts)."""
     g = cfg.generate
-    texts = hashlib.sha256(json.dumps([p.messages for p in prompts], sort_keys=True).encode()).hexdigest()
-    payload = json.dumps({"target": fingerprint, "dtype": cfg.target.dtype, "prompts": [p.id for p in prompts],
-                          "texts": texts,
+    payload = json.dumps({"target": fingerprint, "dtype": cfg.target.dtype,
                           "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p,
                           "batch_size": g.batch_size, "shard_size": g.shard_size, "seed": cfg.data.seed,
                           # only when on, so shards written before the option existed stay valid
                           **({"store_top_k": g.store_top_k} if g.store_top_k else {})})
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _shard_name(start: int, prompts: list[Prompt]) -> str:
+    """``shard-<start>-<hash>``: a shard is reused only for the same position *and* the same prompts (ids and
+    texts), so raising ``generate.num_prompts`` keeps every full shard (the train prompts of a larger run
+    begin with those of a smaller one: :func:`distill.prompts.split_prompts`) and an edited prompt file
+    regenerates only the shards whose prompts changed."""
+    texts = json.dumps([[p.id, p.messages] for p in prompts], sort_keys=True)
+    return f"shard-{start:06d}-{hashlib.sha256(texts.encode()).hexdigest()[:12]}"
 
 
 @torch.inference_mode()
@@ -143,11 +151,12 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     write_text_atomic(run_dir / EVAL_PROMPTS, "".join(json.dumps(asdict(p)) + "\n" for p in held_out))
 
     g = cfg.generate
-    key = _shard_key(resolved.fingerprint, train, cfg)
+    key = _shard_key(resolved.fingerprint, cfg)
     shard_root = Path(cfg.outputs) / ".shards" / f"generate-{key}"
     shard_root.mkdir(parents=True, exist_ok=True)
     starts = list(range(0, len(train), g.shard_size))
-    done = [s for s in starts if (shard_root / f"shard-{s:06d}").is_dir()]
+    names = {s: _shard_name(s, train[s:s + g.shard_size]) for s in starts}
+    done = [s for s in starts if (shard_root / names[s]).is_dir()]
     if done:
         print(f"generate: resuming, {len(done)}/{len(starts)} shards already finished in {shard_root}")
 
@@ -155,7 +164,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     already = sum(min(g.shard_size, len(train) - s) for s in done)
     bar = tqdm(total=len(train), desc="generate", unit="prompt", initial=already)
     for start in starts:
-        shard_dir = shard_root / f"shard-{start:06d}"
+        shard_dir = shard_root / names[start]
         if shard_dir.is_dir():
             continue
         torch.manual_seed(cfg.data.seed * 1_000_003 + start)  # a resumed shard samples what it would have
@@ -188,7 +197,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             Dataset.from_list(rows).save_to_disk(str(tmp))
     bar.close()
 
-    dataset = concatenate_datasets([load_from_disk(str(shard_root / f"shard-{s:06d}")) for s in starts])
+    dataset = concatenate_datasets([load_from_disk(str(shard_root / names[s])) for s in starts])
     final = run_dir / DATASET_DIR
     if final.exists():  # left by an earlier attempt in this same folder
         shutil.rmtree(final)
@@ -209,6 +218,8 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         target={"name": cfg.target.name, "fingerprint": resolved.fingerprint, "source": resolved.source,
                 "dtype": cfg.target.dtype},
         num_train_prompts=len(train), num_eval_prompts=len(held_out), shard_cache=str(shard_root),
+        # what distill's resume key takes as the data's identity (the shared shard folder is not enough)
+        data_identity=hashlib.sha256(json.dumps([str(shard_root), *names.values()]).encode()).hexdigest()[:24],
         store_top_k=g.store_top_k,
         completion_tokens=sum(len(x) for x in lengths),
         finished_with_eos=sum(r == "eos" for r in dataset["finish_reason"]),

@@ -43,10 +43,17 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         f"{report.get('num_prompts')} held-out prompts, {report.get('new_tokens')} new tokens. "
         f"Engine: {report.get('engine')}; drafter run as "
         f"{(report.get('decode') or {}).get('drafter_quantization_used', 'stored')}.", "",
-        "| figure | undistilled drafter | distilled drafter |", "|---|---|---|",
     ]
+    # evaluate.compare_drafters: other (untrained) drafters measured in the same run, one column each
+    others = report.get("compared_drafters") or {}
+    lines += ["| figure | undistilled drafter | distilled drafter |" + "".join(f" `{n}` |" for n in others),
+              "|---|---|---|" + "---|" * len(others)]
     for label, key, fmt in _ROWS:
-        lines.append(f"| {label} | {_fmt(base.get(key), fmt)} | {_fmt(report.get(key), fmt)} |")
+        lines.append(f"| {label} | {_fmt(base.get(key), fmt)} | {_fmt(report.get(key), fmt)} |"
+                     + "".join(f" {_fmt(o.get(key), fmt)} |" for o in others.values()))
+    if others:
+        lines += ["", "Columns in `code` are other drafters (`evaluate.compare_drafters`), untrained, measured in "
+                  "this run on the same prompts with the same settings and target-alone baseline."]
     val = report.get("distill_validation")
     if val:
         lines += ["", "## Expected vs measured acceptance", "",
@@ -160,6 +167,8 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
     bars = [("target alone", report.get("target_tokens_per_s")), ("HF assisted\n(distilled)", hf.get("tokens_per_s")),
             ("ours\n(undistilled)", base.get("speculative_tokens_per_s")),
             ("ours\n(distilled)", report.get("speculative_tokens_per_s"))]
+    bars += [(f"ours\n({name[:18]})", other.get("speculative_tokens_per_s"))
+             for name, other in (report.get("compared_drafters") or {}).items()]
     bars = [(label, value) for label, value in bars if isinstance(value, (int, float))]
     if bars:
         fig, ax = plt.subplots(figsize=(5.5, 3.2))

@@ -192,7 +192,8 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     draft_ids, draft_vocab = reduce_drafter_vocabulary(cfg, drafter, train_examples, val_examples,
                                                        eos_token_ids(drafter, drafter_tok))
 
-    key = resume_key(cfg, gen_manifest.get("shard_cache") or str(gen_dir), target_res.fingerprint)
+    data_identity = gen_manifest.get("data_identity") or gen_manifest.get("shard_cache") or str(gen_dir)
+    key = resume_key(cfg, data_identity, target_res.fingerprint)
     lock = None
 
     def claim_run() -> tuple[Path | None, dict]:  # the main process only; the others get its answer

@@ -126,12 +126,46 @@ def test_single_stages_chain_through_outputs(tiny_run, tmp_path):
     assert distill_runs
 
 
+def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
+    root, pipeline = tiny_run
+    distill_run = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "distill"
+    proc = draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval", f"inputs.distill={distill_run}",
+                      "evaluate.compare_drafters=[tiny-drafter]", "evaluate.hf_assisted=false", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [report_path] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
+    report = json.loads(report_path.read_text())
+    other = report["compared_drafters"]["tiny-drafter"]
+    assert other["outputs_match_target"] is True and 0 <= other["acceptance_rate"] <= 1
+    assert other["target_tokens_per_s"] == report["target_tokens_per_s"]  # one target-alone measurement
+    assert "`tiny-drafter`" in (report_path.parent / "report.md").read_text()
+
+
 def test_generate_resumes_from_finished_shards(tiny_run):
     root, _ = tiny_run
     out = root / "outputs"
     proc = draftsmith("generate", "experiment=tiny", f"outputs={out}", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming, 2/2 shards already finished" in proc.stdout
+
+
+def test_more_prompts_answer_only_the_new_ones(tiny_run, tmp_path):
+    """Raising generate.num_prompts keeps the finished shards: the smaller run's rows come back unchanged."""
+    import datasets
+
+    root, pipeline = tiny_run
+    out = root / "outputs"
+    small = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
+    proc = draftsmith("generate", "experiment=tiny", "generate.num_prompts=14", f"outputs={out}", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming, 2/4 shards already finished" in proc.stdout  # 8 prompts = 2 full shards of 4
+    [grown] = [m.parent for m in out.glob("generate/*/manifest.json")
+               if json.loads(m.read_text()).get("num_train_prompts") == 14]
+    before, after = (datasets.load_from_disk(str(p / "dataset")) for p in (small, grown))
+    assert len(after) == 14 and after.select(range(8)).to_list() == before.to_list()
+    ids = [json.loads(line)["id"] for p in (small, grown) for line in (p / "eval_prompts.jsonl").open()]
+    assert ids[:len(ids) // 2] == ids[len(ids) // 2:]  # the held-out prompts did not move
+    assert json.loads((grown / "manifest.json").read_text())["data_identity"] != \
+        json.loads((small / "manifest.json").read_text())["data_identity"]
 
 
 def test_export_never_replaces_foreign_folders(tiny_run, tmp_path):

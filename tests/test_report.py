@@ -39,3 +39,14 @@ def test_plots_are_written(tmp_path):
     assert names == ["acceptance_by_position.png", "tokens_per_s.png", "speedup_vs_k.png",
                      "expected_vs_measured_acceptance.png"]
     assert all((tmp_path / n).stat().st_size > 1000 for n in names)
+
+
+def test_compared_drafters_get_a_column_and_a_bar(tmp_path):
+    report = _report()
+    report["compared_drafters"] = {"qwen2.5-coder-0.5b-instruct": {"acceptance_rate": 0.66, "speedup": 1.9,
+                                                                   "speculative_tokens_per_s": 12.0}}
+    text = render_report_markdown(report)
+    assert "| figure | undistilled drafter | distilled drafter | `qwen2.5-coder-0.5b-instruct` |" in text
+    assert "| acceptance rate (accepted / drafted tokens) | 0.720 | 0.700 | 0.660 |" in text
+    assert "| speedup vs target alone | 2.30x | 2.20x | 1.90x |" in text
+    assert "tokens_per_s.png" in [p.name for p in write_report_plots(report, tmp_path)]
