@@ -148,6 +148,8 @@ class DistillConfig:
     max_seq_len: int = 512
     mixed_precision: str = "bf16"  # no | bf16 | fp16: autocast for the drafter's forward (weights stay fp32)
     val_fraction: float = 0.1  # share of generated examples held out for the validation metric
+    # also validate every N optimizer steps (0 = before and after only): checkpoints/validation.jsonl + logger
+    validate_every: int = 0
     checkpoint_every: int = 10  # optimizer steps between checkpoints (0 = only at the end)
     # newest checkpoints kept on disk (0 = all): a full 0.5B checkpoint with optimizer state is ~6 GB
     keep_checkpoints: int = 2
@@ -182,6 +184,7 @@ class DistillConfig:
         _check(0.0 <= self.val_fraction < 1.0, "distill.val_fraction", "must be in [0, 1)")
         _check(self.checkpoint_every >= 0, "distill.checkpoint_every", "must be >= 0")
         _check(self.keep_checkpoints >= 0, "distill.keep_checkpoints", "must be >= 0 (0 = keep all)")
+        _check(self.validate_every >= 0, "distill.validate_every", "must be >= 0 (0 = before and after only)")
 
 
 @dataclass

@@ -166,7 +166,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         # the training-time metric beside the decoder's measurement, to judge how well it predicts acceptance
         report["distill_validation"] = {k: train.get(k) for k in (
             "val_expected_acceptance_before", "val_expected_acceptance_after", "val_loss_before", "val_loss_after",
-            "stored_top_k")}
+            "val_top1_agreement_before", "val_top1_agreement_after", "stored_top_k")}
     plots = write_report_plots(report, run_dir, training_metrics=distill_dir / "checkpoints" / "metrics.jsonl")
     report["plots"] = [str(p) for p in plots]
     report_path = run_dir / REPORT_JSON

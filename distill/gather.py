@@ -37,6 +37,8 @@ FIGURES = (  # (column, path in report.json)
     ("outputs_match_target", ("outputs_match_target",)),
     # the training-time predictor (1 - TV on held-out answers), to set beside the measured acceptance
     ("val_expected_acceptance", ("distill_validation", "val_expected_acceptance_after")),
+    # the greedy predictor: share of held-out positions where the drafter's argmax is the target's
+    ("val_top1_agreement", ("distill_validation", "val_top1_agreement_after")),
     ("distill_s", ("stages", "distill", "wall_s")),
 )
 _NOT_SWEPT = ("stage", "outputs")
@@ -138,7 +140,7 @@ def render(rows: list[dict[str, Any]], swept: list[str], sweep: Path) -> tuple[s
     writer.writeheader()
     writer.writerows(rows)
     shown = ["job", *swept, "drafter", "status", "acceptance_rate", "mean_accepted_tokens", "speedup",
-             "baseline_speedup", "val_expected_acceptance", "distill_s", "outputs_match_target"]
+             "baseline_speedup", "val_expected_acceptance", "val_top1_agreement", "distill_s", "outputs_match_target"]
     lines = [f"# Sweep {sweep}", "", f"{len(rows)} jobs; swept: {', '.join(swept) or 'nothing varies'}.", "",
              "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in shown) + " |" for r in rows]

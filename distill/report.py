@@ -61,6 +61,9 @@ def render_report_markdown(report: dict[str, Any]) -> str:
                   f"| expected acceptance 1 - TV (validation split of the generated data, teacher-forced) | "
                   f"{_fmt(val.get('val_expected_acceptance_before'), '{:.3f}')} | "
                   f"{_fmt(val.get('val_expected_acceptance_after'), '{:.3f}')} |",
+                  f"| top-1 agreement (drafter's argmax = target's; what greedy decoding accepts on, teacher-forced) | "
+                  f"{_fmt(val.get('val_top1_agreement_before'), '{:.3f}')} | "
+                  f"{_fmt(val.get('val_top1_agreement_after'), '{:.3f}')} |",
                   f"| measured acceptance rate (bundled decoder, held-out prompts) | "
                   f"{_fmt(base.get('acceptance_rate'), '{:.3f}')} | {_fmt(report.get('acceptance_rate'), '{:.3f}')} |",
                   "", "1 - TV is the acceptance probability of speculative *sampling* at temperature 1 on the "
@@ -205,9 +208,15 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
         labels = ["undistilled", "distilled"]
         expected = [val.get("val_expected_acceptance_before") or 0.0, val.get("val_expected_acceptance_after") or 0.0]
         measured = [base.get("acceptance_rate") or 0.0, report.get("acceptance_rate") or 0.0]
+        top1 = [val.get("val_top1_agreement_before"), val.get("val_top1_agreement_after")]
         xs = range(len(labels))
-        ax.bar([x - 0.2 for x in xs], expected, 0.4, label="expected 1 - TV (validation)")
-        ax.bar([x + 0.2 for x in xs], measured, 0.4, label="measured (decoder, held-out)")
+        series = [("expected 1 - TV (validation)", expected)]
+        if None not in top1:  # reports from before the top-1 figure existed lack it
+            series.append(("top-1 agreement (validation)", top1))
+        series.append(("measured (decoder, held-out)", measured))
+        width = 0.8 / len(series)
+        for i, (label, values) in enumerate(series):
+            ax.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], values, width, label=label)
         ax.set(xticks=list(xs), xticklabels=labels, ylim=(0, 1), ylabel="acceptance",
                title="Expected vs measured acceptance")
         ax.legend(fontsize=7, loc="lower right")
@@ -227,7 +236,15 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
             ax2 = ax.twinx()
             ax2.plot([r["step"] for r in rows], [r.get("expected_acceptance") for r in rows], color="C1",
                      label="expected acceptance (1 - TV)")
-            ax2.set(ylabel="expected acceptance", ylim=(0, 1))
+            validation = Path(training_metrics).with_name("validation.jsonl")  # distill.validate_every
+            points = [json.loads(line) for line in validation.read_text().splitlines() if line.strip()] \
+                if validation.is_file() else []
+            if points:
+                ax.plot([p["step"] for p in points], [p.get("val_loss") for p in points], "o--", color="C0",
+                        alpha=0.6, label="validation loss")
+                ax2.plot([p["step"] for p in points], [p.get("val_top1_agreement") for p in points], "s--",
+                         color="C2", label="validation top-1 agreement")
+            ax2.set(ylabel="expected acceptance / agreement", ylim=(0, 1))
             handles = ax.get_lines() + ax2.get_lines()
             ax.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize=8)
             fig.tight_layout()

@@ -33,7 +33,7 @@ LOCK = ".distill.lock"  # held while a run trains: a live run's checkpoints are 
 CHECKPOINTS = "checkpoints"
 ATTEMPTS = "attempts"  # earlier, killed runs that this one continued
 LOG = "log.jsonl"  # distill.tracking.JsonlLogger's file
-_NOT_IN_KEY = ("max_steps", "checkpoint_every", "resume", "keep_checkpoints")
+_NOT_IN_KEY = ("max_steps", "checkpoint_every", "resume", "keep_checkpoints", "validate_every")
 
 
 def resume_key(cfg: Config, data_identity: str, target_fingerprint: str) -> str:

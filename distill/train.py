@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 MAX_GRAD_NORM = 1.0
 METRICS_FILE = "metrics.jsonl"
+VALIDATION_FILE = "validation.jsonl"  # the held-out figures at step 0, every validate_every steps and at the end
+_VAL_FIGURES = ("loss", "expected_acceptance", "top1_agreement")
 STATE_FILE = "trainer_state.json"
 STATE_FORMAT = 1
 
@@ -90,6 +92,7 @@ def train_drafter(
     on_policy_temperature: float = 1.0,
     eos_token_ids: Sequence[int] = (),
     keep_checkpoints: int = 0,
+    validate_every: int = 0,
 ) -> dict[str, Any]:
     """Distil ``target`` into ``drafter`` on the target's answers; the drafter is trained in place.
 
@@ -143,6 +146,11 @@ def train_drafter(
             change (the schedule is re-evaluated at the saved step, so a finished run can be
             extended); the peak ``lr`` is the checkpoint's (it lives in the scheduler state).
         val_examples: held-out examples; if given, :func:`validate` runs before and after.
+        validate_every: with ``val_examples``, also validate every N optimizer steps (0 = before
+            and after only). Every validation (step 0 = before, the last step = after) is a line
+            of ``output_dir/validation.jsonl``: ``step``, ``val_loss``, ``val_expected_acceptance``,
+            ``val_top1_agreement``; the logger gets the same figures. The curve shows where more
+            steps stop helping (the training loss keeps falling when a small dataset is memorised).
         pad_token_id: id used to right-pad (masked out everywhere); default: the target's
             ``config.pad_token_id``, else its ``eos_token_id``, else 0.
         logger: optional object with ``log(metrics: dict, step: int)``.
@@ -168,7 +176,8 @@ def train_drafter(
         ``steps``, ``final_loss``, ``mean_loss_last_10`` (plain mean over the last 10 steps),
         ``tokens_seen`` (completion tokens, including resumed steps), ``train_s`` and
         ``tokens_per_s`` (this call only), ``checkpoint`` (path of the last checkpoint), and
-        with ``val_examples``: ``val_loss_before/after``, ``val_expected_acceptance_before/after``.
+        with ``val_examples``: ``val_loss_before/after``, ``val_expected_acceptance_before/after``,
+        ``val_top1_agreement_before/after``.
 
     Raises:
         DraftsmithError: non-finite loss (names the step), no usable example, no trainable
@@ -190,14 +199,14 @@ def train_drafter(
     accelerator, drafter, optimizer, scheduler = run.accelerator, run.drafter, run.optimizer, run.scheduler
     result: dict[str, Any] = {}
     before: dict | None = None
+    val_args = dict(loss=loss, jsd_beta=jsd_beta, temperature=temperature, batch_size=batch_size,
+                    max_seq_len=max_seq_len, pad_token_id=pad_token_id)
     if val_examples:
         # A resumed run reports the validation of the untrained drafter that its checkpoint carries,
         # not of the half-trained one it restarts from.
         before = (run.state or {}).get("validation_before")
         if before is None:
-            before = _prefixed(validate(drafter, target, val_examples, loss=loss, jsd_beta=jsd_beta,
-                                        temperature=temperature, batch_size=batch_size,
-                                        max_seq_len=max_seq_len, pad_token_id=pad_token_id), "before")
+            before = _prefixed(validate(drafter, target, val_examples, **val_args), "before")
         result.update(before)
 
     batches = iter(run.loader)  # before restoring the RNG: creating an iterator may draw from it
@@ -210,9 +219,24 @@ def train_drafter(
         log.warning("the checkpoint is at step %d, at or past max_steps=%d: nothing left to train (raise "
                     "distill.max_steps to continue)", run.start_step, max_steps)
     history = _restart_metrics(output_dir, run.start_step, write=is_main)
+    _restart_jsonl(output_dir / VALIDATION_FILE, run.start_step, write=is_main)
+
+    def log_validation(step: int, figures: dict) -> None:
+        record = {"step": step, **{f"val_{k}": v for k, v in figures.items() if k in _VAL_FIGURES}}
+        if is_main:
+            with (output_dir / VALIDATION_FILE).open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+            if logger is not None:
+                logger.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            if progress:
+                bar.write(f"validation at step {step}: " + ", ".join(
+                    f"{k[4:]} {v:.4f}" for k, v in record.items() if k != "step"))
+
     metrics_file = (output_dir / METRICS_FILE).open("a", encoding="utf-8") if is_main else None
     logger = logger if is_main else None
     bar = _progress_bar(progress and is_main, run.start_step, max_steps)
+    if before is not None and run.start_step == 0:  # "val_loss_before" -> "loss": the curve's step 0
+        log_validation(0, {k[len("val_"):-len("_before")]: v for k, v in before.items()})
     examples_seen, tokens_seen = run.examples_seen, run.tokens_seen
     checkpoint = Path(resume_from) if resume_from is not None else None
     call_tokens, t_start = 0, time.perf_counter()
@@ -231,10 +255,10 @@ def train_drafter(
             # DDP averages gradients over processes: weighting by the tokens of *all* processes (times
             # their number) makes the synchronised step the token-weighted mean over every process's tokens
             all_tokens = int(_sum_over_processes(accelerator, [step_tokens])[0])
-            loss_sum = accept_sum = 0.0
+            loss_sum = accept_sum = agree_sum = 0.0
             for batch in micro_batches:
                 with accelerator.accumulate(drafter), _memory_guard(step, batch, batch_size, grad_accum, checkpoint):
-                    loss_value, accept = _loss_step(drafter, target, batch, spec)
+                    loss_value, accept, agree = _loss_step(drafter, target, batch, spec)
                     _check_finite("distillation loss", loss_value.item(), step, checkpoint)
                     tokens = int(batch["loss_mask"].sum())
                     # accelerate divides by grad_accum; this makes the step the token-weighted mean
@@ -248,15 +272,17 @@ def train_drafter(
                         optimizer.zero_grad(set_to_none=True)
                 loss_sum += loss_value.item() * tokens
                 accept_sum += accept
+                agree_sum += agree
             # figures of the whole step, all processes together (the stream advances by all their batches)
-            loss_sum, accept_sum = _sum_over_processes(accelerator, [loss_sum, accept_sum])
+            loss_sum, accept_sum, agree_sum = _sum_over_processes(accelerator, [loss_sum, accept_sum, agree_sum])
             step_tokens = all_tokens
             examples_seen += batch_size * grad_accum * accelerator.num_processes
             tokens_seen += step_tokens
             call_tokens += step_tokens
             record = {"step": step, "loss": loss_sum / max(step_tokens, 1), "lr": lr_now, "tokens": step_tokens,
                       "tokens_per_s": step_tokens / max(time.perf_counter() - t0, 1e-9),
-                      "expected_acceptance": accept_sum / max(step_tokens, 1), "grad_norm": grad_norm}
+                      "expected_acceptance": accept_sum / max(step_tokens, 1),
+                      "top1_agreement": agree_sum / max(step_tokens, 1), "grad_norm": grad_norm}
             history.append(record["loss"])
             _log_step(record, metrics_file, logger, bar)
             if (checkpoint_every and step % checkpoint_every == 0) or step == max_steps:
@@ -264,6 +290,8 @@ def train_drafter(
                                               tokens_seen=tokens_seen, validation_before=before)
                 if keep_checkpoints and is_main:
                     _prune_checkpoints(output_dir, keep_checkpoints)
+            if val_examples and validate_every and step % validate_every == 0 and step < max_steps:
+                log_validation(step, validate(drafter, target, val_examples, **val_args))
     finally:
         train_s = time.perf_counter() - t_start
         if metrics_file is not None:
@@ -273,9 +301,10 @@ def train_drafter(
         accelerator.free_memory()
 
     if val_examples:
-        result.update(_prefixed(validate(drafter, target, val_examples, loss=loss, jsd_beta=jsd_beta,
-                                         temperature=temperature, batch_size=batch_size,
-                                         max_seq_len=max_seq_len, pad_token_id=pad_token_id), "after"))
+        after = validate(drafter, target, val_examples, **val_args)
+        result.update(_prefixed(after, "after"))
+        if max_steps > run.start_step:  # a run that trained: the last point of the curve
+            log_validation(max_steps, after)
     # Drop accelerate's autocast wrapper from the drafter's forward: callers save and decode with it.
     accelerator.unwrap_model(drafter, keep_fp32_wrapper=False)
     result.update({
@@ -319,8 +348,9 @@ def validate(
         loss, jsd_beta, temperature, batch_size, max_seq_len, pad_token_id: as in training.
 
     Returns:
-        ``{"loss": nats/token, "expected_acceptance": in [0, 1], "tokens": completion tokens,
-        "examples": examples used}``.
+        ``{"loss": nats/token, "expected_acceptance": in [0, 1], "top1_agreement": in [0, 1] (share
+        of positions where the drafter's argmax is the target's: what greedy decoding accepts on),
+        "tokens": completion tokens, "examples": examples used}``.
 
     Raises:
         DraftsmithError: no example has a completion position.
@@ -331,21 +361,23 @@ def validate(
     pad_token_id = _default_pad_id(target if target is not None else drafter) if pad_token_id is None else pad_token_id
     was_training = drafter.training
     drafter.eval()
-    loss_sum = accept_sum = 0.0
+    loss_sum = accept_sum = agree_sum = 0.0
     tokens = 0
     try:
         for start in range(0, len(examples), batch_size):
             batch = collate(examples[start:start + batch_size], pad_token_id=pad_token_id, max_seq_len=max_seq_len)
             batch = {k: v.to(_device(drafter)) for k, v in batch.items()}
             n = int(batch["loss_mask"].sum())
-            loss_value, accept = _loss_step(drafter, target, batch, spec)
+            with torch.no_grad():
+                loss_value, accept, agree = _loss_step(drafter, target, batch, spec)
             loss_sum += loss_value.item() * n
             accept_sum += accept
+            agree_sum += agree
             tokens += n
     finally:
         drafter.train(was_training)
-    return {"loss": loss_sum / tokens, "expected_acceptance": accept_sum / tokens, "tokens": tokens,
-            "examples": len(examples)}
+    return {"loss": loss_sum / tokens, "expected_acceptance": accept_sum / tokens,
+            "top1_agreement": agree_sum / tokens, "tokens": tokens, "examples": len(examples)}
 
 
 def collate(examples: Sequence[dict], *, pad_token_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:
@@ -524,7 +556,7 @@ def _truncate(prompt: list[int], completion: list[int], max_seq_len: int) -> tup
 # loss step
 
 
-def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tensor, float]:
+def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tensor, float, float]:
     """One forward of both models on ``batch`` (of the drafter only, when the batch carries the
     target's stored top-k log-probabilities: :func:`distill.losses.top_k_distillation_loss`).
 
@@ -532,8 +564,10 @@ def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tens
     boolean mask), so logits are ``(N, V)`` rather than ``(B, T, V)``: with a 152k vocabulary the
     head, the softmaxes and the loss dominate a step otherwise.
 
-    Returns the drafter's loss (0-dim, with graph if grad is on; mean over ``loss_mask``) and
-    the *sum* of expected acceptance over the masked positions (float).
+    Returns the drafter's loss (0-dim, with graph if grad is on; mean over ``loss_mask``), the
+    *sum* of expected acceptance over the masked positions (float) and the *count* of positions
+    where the drafter's most likely token is the target's (float): greedy decoding accepts a draft
+    token exactly when they agree, so this is the greedy acceptance proxy.
     """
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     keep = batch["loss_mask"]
@@ -544,8 +578,10 @@ def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tens
             batch["top_k_logprobs"].to(student_logits.device), kind=spec.kind, jsd_beta=spec.jsd_beta,
             temperature=spec.temperature, labels=batch["labels"][keep])
         if per_token.numel() == 0:
-            return student_logits.float().sum() * 0.0, 0.0
-        return per_token.mean(), accept.sum().item()
+            return student_logits.float().sum() * 0.0, 0.0, 0.0
+        # stored ids are sorted by log-prob (torch.topk), so column 0 is the target's argmax
+        agree = (student_logits.detach().argmax(-1) == batch["top_k_ids"][:, 0].to(student_logits.device)).sum()
+        return per_token.mean(), accept.sum().item(), float(agree)
     with torch.no_grad():
         target_device = _device(target)
         target_logits = target(**{k: v.to(target_device) for k, v in inputs.items()}, use_cache=False,
@@ -565,7 +601,8 @@ def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tens
     with torch.no_grad():
         accept = expected_acceptance(acceptance_of[0].detach(), *acceptance_of[1:],
                                      temperature=spec.temperature).sum().item()
-    return loss, accept
+        agree = float((acceptance_of[0].argmax(-1) == acceptance_of[1].argmax(-1)).sum())
+    return loss, accept, agree
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,8 +702,19 @@ def _restart_metrics(output_dir: Path, start_step: int, write: bool = True) -> l
     return [json.loads(line)["loss"] for line in kept]
 
 
+def _restart_jsonl(path: Path, start_step: int, write: bool = True) -> None:
+    """Keep the lines of ``path`` with ``step <= start_step`` (all gone on a fresh start)."""
+    if not write:
+        return
+    kept = []
+    if start_step > 0 and path.exists():
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= start_step]
+    _atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
 def _prefixed(metrics: dict, when: str) -> dict:
-    return {f"val_loss_{when}": metrics["loss"], f"val_expected_acceptance_{when}": metrics["expected_acceptance"]}
+    return {f"val_{name}_{when}": metrics[name] for name in _VAL_FIGURES if name in metrics}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -213,7 +213,8 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             output_dir=run_dir / "checkpoints", checkpoint_every=d.checkpoint_every, logger=logger,
             mixed_precision=d.mixed_precision, resume_from=resume_from,
             on_policy_fraction=d.on_policy_fraction, on_policy_temperature=d.on_policy_temperature,
-            eos_token_ids=eos_token_ids(drafter, drafter_tok), keep_checkpoints=d.keep_checkpoints)
+            eos_token_ids=eos_token_ids(drafter, drafter_tok), keep_checkpoints=d.keep_checkpoints,
+            validate_every=d.validate_every)
         metrics["stored_top_k"] = gen_manifest.get("store_top_k") if stored else None  # k the targets were cut to
         logger.summary({k: v for k, v in metrics.items() if v is not None})
     finally:

@@ -145,10 +145,20 @@ def test_stored_full_vocabulary_loss_equals_the_online_loss(target):
     for kind in KINDS:
         spec = LossSpec(kind)
         with torch.no_grad():
-            stored_loss, stored_accept = _loss_step(drafter, None, batch, spec)
-            online_loss, online_accept = _loss_step(drafter, target, online, spec)
+            stored_loss, stored_accept, stored_agree = _loss_step(drafter, None, batch, spec)
+            online_loss, online_accept, online_agree = _loss_step(drafter, target, online, spec)
         assert math.isclose(stored_loss.item(), online_loss.item(), rel_tol=1e-3, abs_tol=1e-4), kind
         assert math.isclose(stored_accept, online_accept, rel_tol=1e-3), kind
+        assert stored_agree == online_agree, kind
+    # the agreement count is the number of positions where both argmaxes coincide
+    with torch.no_grad():
+        keep = online["loss_mask"]
+        mine = drafter(input_ids=online["input_ids"], attention_mask=online["attention_mask"]).logits[keep]
+        theirs = target(input_ids=online["input_ids"], attention_mask=online["attention_mask"]).logits[keep]
+    expected = float((mine.argmax(-1) == theirs.argmax(-1)).sum())
+    assert online_agree == expected
+    with torch.no_grad():  # a model agrees with itself at every position
+        assert _loss_step(target, target, online, LossSpec("fkl"))[2] == int(keep.sum())
 
 
 def test_training_on_stored_log_probs_needs_no_target(target, tmp_path):
@@ -269,11 +279,12 @@ def test_stored_log_probs_with_a_reduced_vocabulary_match_the_online_restriction
     online = {k: v for k, v in batch.items() if not k.startswith("top_k")}
     for kind in KINDS:
         with torch.no_grad():
-            stored_loss, stored_accept = _loss_step(drafter, None, batch, LossSpec(kind))
-            online_loss, online_accept = _loss_step(drafter, target, online, LossSpec(kind))
+            stored_loss, stored_accept, stored_agree = _loss_step(drafter, None, batch, LossSpec(kind))
+            online_loss, online_accept, online_agree = _loss_step(drafter, target, online, LossSpec(kind))
         assert math.isfinite(stored_loss.item())
         assert math.isclose(stored_loss.item(), online_loss.item(), rel_tol=1e-3, abs_tol=1e-4), kind
         assert math.isclose(stored_accept, online_accept, rel_tol=1e-3), kind
+        assert stored_agree == online_agree, kind
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +336,7 @@ def test_stored_log_probs_and_a_reduced_vocabulary_train_with_finite_gradients(t
     drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")
     reduce_vocabulary(drafter, torch.arange(0, VOCAB, 3))  # many stored ids and labels fall outside
     batch = collate(examples, pad_token_id=0, max_seq_len=64)
-    loss, _ = _loss_step(drafter, None, batch, LossSpec(kind))
+    loss, _, _ = _loss_step(drafter, None, batch, LossSpec(kind))
     loss.backward()
     assert math.isfinite(loss.item()), kind
     grads = [p.grad for p in drafter.parameters() if p.grad is not None]

@@ -92,7 +92,12 @@ def test_fkl_steps_reduce_loss_and_raise_acceptance(target, examples, tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 9))
     assert {"loss", "lr", "tokens", "tokens_per_s", "expected_acceptance"} <= lines[0].keys()
-    assert [s for s, _ in logger.records] == list(range(1, 9))
+    assert [s for s, m in logger.records if "loss" in m] == list(range(1, 9))
+    # the held-out curve: before (step 0) and after (step 8), in validation.jsonl and the logger
+    curve = [json.loads(line) for line in (tmp_path / "validation.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in curve] == [0, 8] == [s for s, m in logger.records if "val_loss" in m]
+    assert curve[0]["val_loss"] == result["val_loss_before"] and curve[1]["val_loss"] == result["val_loss_after"]
+    assert result["val_top1_agreement_after"] >= result["val_top1_agreement_before"]
     assert lines[-1]["lr"] < lines[0]["lr"] == 1e-2  # linear decay
     ckpt = tmp_path / "checkpoint-8"
     assert result["checkpoint"] == str(ckpt)
@@ -167,11 +172,33 @@ def test_other_losses_run(target, examples, tmp_path, loss):
     assert result["final_loss"] > 0
 
 
+def test_validate_every_writes_a_curve_that_survives_resume(target, examples, tmp_path):
+    settings = dict(loss="fkl", lr=1e-2, max_steps=6, batch_size=4, checkpoint_every=2, validate_every=2,
+                    val_examples=examples[:4], progress=False)
+    torch.manual_seed(0)
+    train_drafter(_sibling(), target, examples, output_dir=tmp_path / "a", **settings)
+    curve = [json.loads(line) for line in (tmp_path / "a" / "validation.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in curve] == [0, 2, 4, 6]
+    assert {"val_loss", "val_expected_acceptance", "val_top1_agreement"} <= curve[0].keys()
+    assert all(0 <= p["val_top1_agreement"] <= 1 for p in curve) and curve[-1]["val_loss"] < curve[0]["val_loss"]
+
+    torch.manual_seed(0)  # killed after step 4's validation: the resumed run redoes 5-6 and keeps 0-4
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(_sibling(), target, examples, output_dir=tmp_path / "b", logger=_Recorder(fail_at=5),
+                      **settings)
+    train_drafter(_sibling(), target, examples, output_dir=tmp_path / "b", resume_from=tmp_path / "b" / "checkpoint-4",
+                  **settings)
+    resumed = [json.loads(line) for line in (tmp_path / "b" / "validation.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in resumed] == [0, 2, 4, 6]
+    assert [p["val_loss"] for p in resumed] == pytest.approx([p["val_loss"] for p in curve], rel=1e-5)
+
+
 def test_validate_restores_mode_and_counts_tokens(target, examples):
     drafter = _sibling()
     metrics = validate(drafter, target, examples[:3], batch_size=2)
     expected_tokens = sum(len(e["completion_ids"]) for e in examples[:3])
     assert metrics["tokens"] == expected_tokens and 0 < metrics["expected_acceptance"] < 1
+    assert 0 <= metrics["top1_agreement"] <= 1
     assert drafter.training
 
 
