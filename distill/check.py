@@ -28,7 +28,7 @@ from distill.errors import TokenizerMismatchError
 from distill.models import eos_token_ids, load_model, tokenizers_compatible
 from distill.prompts import encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, write_json_atomic, write_text_atomic
-from distill.train_stage import initial_drafter
+from distill.train_stage import check_layers_exist, initial_drafter
 
 CHECK_JSON = "check.json"
 CHECK_MD = "check.md"
@@ -100,6 +100,7 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         ConfigError: a bad drafter config.
     """
     c = cfg.check
+    check_layers_exist(cfg)
     run = StageRun.start("check", run_dir, config_yaml, inputs={})
     target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
     drafter, drafter_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)

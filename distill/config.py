@@ -241,6 +241,8 @@ class EvaluateConfig:
         _check(all(isinstance(n, str) and n.strip() for n in self.compare_drafters), "evaluate.compare_drafters",
                f"must be a list of model names or folders, e.g. [qwen2.5-coder-0.5b-instruct]; got {self.compare_drafters}")
         self.compare_drafters = list(self.compare_drafters)
+        _check(len(set(self.compare_drafters)) == len(self.compare_drafters), "evaluate.compare_drafters",
+               f"names a drafter twice: {self.compare_drafters}")
         _check(self.target_engine in ("hf", "loop"), "evaluate.target_engine",
                f"must be hf or loop, got {self.target_engine!r}")
 

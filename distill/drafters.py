@@ -146,10 +146,14 @@ def describe_layers(num_layers: int | None, layer_selection: str = "first", laye
             if cur != prev + 1:
                 spans.append(str(start) if start == prev else f"{start}-{prev}")
                 start = cur
-        return f"{len(layers)} layers [{', '.join(spans)}]"
+        return f"{len(layers)} {_layers_word(len(layers))} [{', '.join(spans)}]"
     if layer_selection == "even":
-        return f"{num_layers} evenly spaced layers"
-    return f"first {num_layers} layers"
+        return f"{num_layers} evenly spaced {_layers_word(num_layers)}"
+    return f"first {num_layers} {_layers_word(num_layers)}"
+
+
+def _layers_word(count: int | None) -> str:
+    return "layer" if count == 1 else "layers"
 
 
 def cut_layers(base_model: nn.Module, keep: list[int]) -> nn.Module:

@@ -9,6 +9,7 @@ assisted generation) and with the undistilled drafter. Writes ``report.json``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict
@@ -62,6 +63,16 @@ def _log_report(cfg: Config, run_dir: Path, report: dict[str, Any], plots: list[
         logger.finish()
 
 
+def _as_distilled(cfg: Config, info: dict[str, Any]) -> Config:
+    """``cfg`` with ``drafter.*`` set to how the distilled drafter was built (``drafter_info.json``), so the
+    undistilled baseline is the same drafter before training even when the command's drafter.* differs."""
+    drafter = dataclasses.replace(
+        cfg.drafter, name=info.get("base_name") or cfg.drafter.name, init=info.get("init") or cfg.drafter.init,
+        num_layers=info.get("num_layers"), layer_selection=info.get("layer_selection") or "first",
+        layers=info.get("layers"))
+    return dataclasses.replace(cfg, drafter=drafter)
+
+
 def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run stage 3 into ``run_dir``; returns the path of ``report.json``.
 
@@ -101,7 +112,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
 
     base = None
     if cfg.evaluate.baseline:  # loaded first: a bad drafter config fails before the long runs
-        base, base_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)
+        # the drafter this run started from (its drafter_info), not whatever drafter.* says now
+        base, base_tok, _ = initial_drafter(_as_distilled(cfg, info), dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
         base.eval()
     others = {}

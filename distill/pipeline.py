@@ -24,7 +24,7 @@ from distill.generate import run_generate
 from distill.models import resolve_model
 from distill.report import write_report_markdown
 from distill.rundir import read_manifest, write_json_atomic
-from distill.train_stage import check_qlora, check_tokenizers, run_distill
+from distill.train_stage import check_layers_exist, check_qlora, check_tokenizers, run_distill
 
 
 def _release_memory() -> None:
@@ -56,8 +56,10 @@ def preflight(cfg: Config, export_run: Path) -> None:
     target = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)
     drafter = AutoTokenizer.from_pretrained(resolve_model(cfg.drafter.name).path)
     check_tokenizers(target, drafter, cfg.target.name, cfg.drafter.name)
-    if cfg.drafter.init == "layers":
-        check_layers_exist(cfg)
+    check_layers_exist(cfg)
+    for name in cfg.evaluate.compare_drafters:  # evaluate.compare_drafters: resolvable, same tokens
+        other = AutoTokenizer.from_pretrained(resolve_model(name).path)
+        check_tokenizers(target, other, cfg.target.name, name)
     size = cfg.drafter.draft_vocab_size
     if size is not None and not 2 <= size <= len(drafter):
         raise ConfigError(f"drafter.draft_vocab_size={size} must be between 2 and the drafter's {len(drafter)} "
@@ -65,24 +67,6 @@ def preflight(cfg: Config, export_run: Path) -> None:
     if cfg.generate.store_top_k > len(target):
         raise ConfigError(f"generate.store_top_k={cfg.generate.store_top_k} is more than the target's "
                           f"{len(target)} tokens: use at most {len(target)} (20 is plenty)")
-
-
-def check_layers_exist(cfg: Config) -> None:
-    """Refuse a depth-pruned drafter asking for layers its base model does not have (config only, no weights).
-
-    Raises:
-        ConfigError: ``drafter.num_layers`` above, or an index in ``drafter.layers`` at or above, the
-            base model's number of decoder layers.
-    """
-    from transformers import AutoConfig
-
-    total = AutoConfig.from_pretrained(resolve_model(cfg.drafter.name).path).num_hidden_layers
-    if cfg.drafter.layers is not None and cfg.drafter.layers[-1] >= total:
-        raise ConfigError(f"drafter.layers={cfg.drafter.layers}: {cfg.drafter.name} has decoder layers 0..{total - 1}; "
-                          "drop the indices above that")
-    if cfg.drafter.num_layers is not None and cfg.drafter.num_layers > total:
-        raise ConfigError(f"drafter.num_layers={cfg.drafter.num_layers}: {cfg.drafter.name} has {total} decoder "
-                          f"layers; use at most {total}")
 
 
 def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:

@@ -24,6 +24,20 @@ _ROWS = [  # (label, key, format)
 ]
 
 
+def short_name(name: str) -> str:
+    """A model name as a column or bar label: a folder path shortened to its last two parts."""
+    parts = [p for p in str(name).replace("\\", "/").split("/") if p]
+    return "/".join(parts[-2:]) if len(parts) > 1 else str(name)
+
+
+def _drafter_shape(drafter: dict[str, Any]) -> str:
+    if drafter.get("init") == "layers" and drafter.get("num_layers"):
+        from distill.drafters import describe_layers
+
+        return describe_layers(drafter["num_layers"], drafter.get("layer_selection") or "first", drafter.get("layers"))
+    return str(drafter.get("init"))
+
+
 def _fmt(value: Any, fmt: str) -> str:
     if value is None:
         return "-"
@@ -39,20 +53,21 @@ def render_report_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# draftsmith evaluation report", "",
         f"Target `{report.get('target', {}).get('name')}`, drafter from `{report.get('drafter', {}).get('base_name')}` "
-        f"({report.get('drafter', {}).get('init')}), draft length K = {report.get('draft_length')}, "
+        f"({_drafter_shape(report.get('drafter') or {})}), draft length K = {report.get('draft_length')}, "
         f"{report.get('num_prompts')} held-out prompts, {report.get('new_tokens')} new tokens. "
         f"Engine: {report.get('engine')}; drafter run as "
         f"{(report.get('decode') or {}).get('drafter_quantization_used', 'stored')}.", "",
     ]
     # evaluate.compare_drafters: other (untrained) drafters measured in the same run, one column each
     others = report.get("compared_drafters") or {}
-    lines += ["| figure | undistilled drafter | distilled drafter |" + "".join(f" `{n}` |" for n in others),
+    lines += ["| figure | undistilled drafter | distilled drafter |" + "".join(f" `{short_name(n)}` |" for n in others),
               "|---|---|---|" + "---|" * len(others)]
     for label, key, fmt in _ROWS:
         lines.append(f"| {label} | {_fmt(base.get(key), fmt)} | {_fmt(report.get(key), fmt)} |"
                      + "".join(f" {_fmt(o.get(key), fmt)} |" for o in others.values()))
     if others:
-        lines += ["", "Columns in `code` are other drafters (`evaluate.compare_drafters`), untrained, measured in "
+        lines += ["", "Columns in `code` are other drafters (`evaluate.compare_drafters`: "
+                  + ", ".join(f"`{n}`" for n in others) + "), as given (not distilled by this run), measured in "
                   "this run on the same prompts with the same settings and target-alone baseline."]
     val = report.get("distill_validation")
     if val:
@@ -170,7 +185,7 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
     bars = [("target alone", report.get("target_tokens_per_s")), ("HF assisted\n(distilled)", hf.get("tokens_per_s")),
             ("ours\n(undistilled)", base.get("speculative_tokens_per_s")),
             ("ours\n(distilled)", report.get("speculative_tokens_per_s"))]
-    bars += [(f"ours\n({name[:18]})", other.get("speculative_tokens_per_s"))
+    bars += [(f"ours\n({short_name(name)[-18:]})", other.get("speculative_tokens_per_s"))
              for name, other in (report.get("compared_drafters") or {}).items()]
     bars = [(label, value) for label, value in bars if isinstance(value, (int, float))]
     if bars:
@@ -242,6 +257,8 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
             if points:
                 ax.plot([p["step"] for p in points], [p.get("val_loss") for p in points], "o--", color="C0",
                         alpha=0.6, label="validation loss")
+                ax2.plot([p["step"] for p in points], [p.get("val_expected_acceptance") for p in points], "^--",
+                         color="C1", alpha=0.6, label="validation 1 - TV")
                 ax2.plot([p["step"] for p in points], [p.get("val_top1_agreement") for p in points], "s--",
                          color="C2", label="validation top-1 agreement")
             ax2.set(ylabel="expected acceptance / agreement", ylim=(0, 1))

@@ -134,7 +134,7 @@ def prepare_resume(cfg: Config, run_dir: Path, key: str) -> tuple[Path | None, d
         kept = old_run
     print(f"distill: resuming {old_run} from {checkpoint.name} (its checkpoints moved to {target}, "
           f"the rest of it to {kept})")
-    return target / checkpoint.name, {"resumed_from": str(target / checkpoint.name), "resumed_run": str(old_run)}
+    return target / checkpoint.name, {"resumed_from": str(target / checkpoint.name), "resumed_run": str(kept)}
 
 
 def _continue_log(old: Path, new: Path, step: int) -> None:

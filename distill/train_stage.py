@@ -11,6 +11,7 @@ target it was tuned for.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from distill.resume import hold_lock, prepare_resume, resume_key
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
 from distill.tracking import NullLogger, make_logger, run_name
 from distill.train import train_drafter
+
+log = logging.getLogger(__name__)
 
 DRAFTER_DIR = "drafter"
 DRAFTER_INFO = "drafter_info.json"
@@ -65,6 +68,26 @@ def initial_drafter(cfg: Config, dtype: str = "float32", lora: LoraSettings | No
     except ValueError as err:  # e.g. more layers asked for than the base model has
         raise ConfigError(f"drafter (drafter.*, distill.lora_*): {err}") from err
     return model, tokenizer, resolved
+
+
+def check_layers_exist(cfg: Config) -> None:
+    """Refuse a depth-pruned drafter asking for layers its base model does not have (config only, no weights).
+
+    Raises:
+        ConfigError: ``drafter.num_layers`` above, or an index in ``drafter.layers`` at or above, the
+            base model's number of decoder layers.
+    """
+    if cfg.drafter.init != "layers":
+        return
+    from transformers import AutoConfig
+
+    total = AutoConfig.from_pretrained(resolve_model(cfg.drafter.name).path).num_hidden_layers
+    if cfg.drafter.layers is not None and cfg.drafter.layers[-1] >= total:
+        raise ConfigError(f"drafter.layers={cfg.drafter.layers}: {cfg.drafter.name} has decoder layers 0..{total - 1}; "
+                          "drop the indices above that")
+    if cfg.drafter.num_layers is not None and cfg.drafter.num_layers > total:
+        raise ConfigError(f"drafter.num_layers={cfg.drafter.num_layers}: {cfg.drafter.name} has {total} decoder "
+                          f"layers; use at most {total}")
 
 
 def check_qlora(cfg: Config) -> None:
@@ -152,10 +175,16 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     if d.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=bf16 or no")
     check_qlora(cfg)
+    check_layers_exist(cfg)
     # Several launched processes (distill/parallel.py): all train, only the main one writes the run folder.
     main = parallel.is_main()
     gen_dir = parallel.from_main(lambda: resolve_input(cfg.inputs.generate, cfg.outputs, "generate"))
     dataset, _, gen_manifest = load_generated(gen_dir)
+    if d.validate_every and (len(dataset) < 2 or int(len(dataset) * d.val_fraction) == 0):
+        raise ConfigError(f"distill.validate_every={d.validate_every} needs held-out examples, but "
+                          f"distill.val_fraction={d.val_fraction} of {len(dataset)} examples holds out none: raise "
+                          f"distill.val_fraction (to at least {1 / max(len(dataset), 1):.2g}) or set "
+                          "distill.validate_every=0")
     stored = d.target_source == "stored"
     if stored and not gen_manifest.get("store_top_k"):
         raise ConfigError(f"distill.target_source=stored needs the target's top-k log-probs, which {gen_dir} does "
@@ -189,6 +218,9 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     random.Random(d.seed).shuffle(examples)
     num_val = int(len(examples) * d.val_fraction) if len(examples) > 1 else 0
     val_examples, train_examples = examples[:num_val], examples[num_val:]
+    if not val_examples and d.val_fraction > 0 and main:
+        log.warning("distill.val_fraction=%s of %d examples holds out none: no validation figures this run "
+                    "(raise distill.val_fraction or generate more prompts)", d.val_fraction, len(examples))
     draft_ids, draft_vocab = reduce_drafter_vocabulary(cfg, drafter, train_examples, val_examples,
                                                        eos_token_ids(drafter, drafter_tok))
 

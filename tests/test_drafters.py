@@ -83,6 +83,7 @@ def test_describe_layers():
     assert describe_layers(4, "even") == "4 evenly spaced layers"
     assert describe_layers(12, "first", [0, 1, 2, *range(15, 24)]) == "12 layers [0-2, 15-23]"
     assert describe_layers(4, "first", [0, 5, 7, 8]) == "4 layers [0, 5, 7-8]"
+    assert describe_layers(1) == "first 1 layer" and describe_layers(1, "first", [3]) == "1 layer [3]"
 
 
 def test_all_layers_reproduce_the_base(base, input_ids):

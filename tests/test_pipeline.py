@@ -138,6 +138,23 @@ def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
     assert other["outputs_match_target"] is True and 0 <= other["acceptance_rate"] <= 1
     assert other["target_tokens_per_s"] == report["target_tokens_per_s"]  # one target-alone measurement
     assert "`tiny-drafter`" in (report_path.parent / "report.md").read_text()
+    # drafter.* of this command says 2 layers (the whole tiny target: accepted always), but the baseline is the
+    # drafter the run started from (1 layer), as in the pipeline's own report
+    proc = draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval2", f"inputs.distill={distill_run}",
+                      "drafter.num_layers=2", "evaluate.hf_assisted=false", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [again] = list((tmp_path / "eval2").glob("evaluate/*/report.json"))
+    pipeline_report = json.loads(Path(pipeline.stdout.strip().splitlines()[-1]).read_text())
+    assert json.loads(again.read_text())["baseline_drafter"]["acceptance_rate"] == \
+        pipeline_report["baseline_drafter"]["acceptance_rate"] < 1.0
+
+
+def test_validate_every_without_held_out_examples_is_refused_before_training(tiny_run, tmp_path):
+    root, pipeline = tiny_run
+    gen = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
+    proc = draftsmith("distill", "experiment=tiny", f"inputs.generate={gen}", "distill.validate_every=2",
+                      "distill.val_fraction=0", f"outputs={tmp_path}/out", cwd=root)
+    assert proc.returncode == 2 and "distill.val_fraction" in proc.stderr, proc.stderr[-1000:]
 
 
 def test_generate_resumes_from_finished_shards(tiny_run):
@@ -197,7 +214,8 @@ def test_pipeline_preflight_refuses_before_generating(tmp_path):
 
 
 def test_pipeline_refuses_layers_the_base_model_lacks_before_generating(tmp_path):
-    for override, says in (("drafter.layers=[0,7]", "decoder layers 0..1"), ("drafter.num_layers=5", "at most 2")):
+    for override, says in (("drafter.layers=[0,7]", "decoder layers 0..1"), ("drafter.num_layers=5", "at most 2"),
+                           ("evaluate.compare_drafters=[no-such-drafter]", "no-such-drafter")):
         proc = draftsmith("pipeline", "experiment=tiny", override, f"outputs={tmp_path}/outputs", cwd=tmp_path)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-500:]
         assert "[1/4]" not in proc.stdout

@@ -50,3 +50,24 @@ def test_compared_drafters_get_a_column_and_a_bar(tmp_path):
     assert "| acceptance rate (accepted / drafted tokens) | 0.720 | 0.700 | 0.660 |" in text
     assert "| speedup vs target alone | 2.30x | 2.20x | 1.90x |" in text
     assert "tokens_per_s.png" in [p.name for p in write_report_plots(report, tmp_path)]
+    report["compared_drafters"] = {"/home/me/runs/distill/drafter": {"acceptance_rate": 0.5}}
+    report["drafter"] = {"base_name": "d", "init": "layers", "num_layers": 3, "layers": [0, 1, 23]}
+    text = render_report_markdown(report)
+    assert "| `distill/drafter` |" in text and "`/home/me/runs/distill/drafter`" in text
+    assert "(3 layers [0-1, 23])" in text
+
+
+def test_training_plot_draws_the_validation_curve(tmp_path):
+    import json
+
+    metrics = tmp_path / "checkpoints" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 2.0 / s, "expected_acceptance": 0.1 * s}) + "\n"
+                               for s in range(1, 7)))
+    (metrics.parent / "validation.jsonl").write_text("".join(
+        json.dumps({"step": s, "val_loss": 2.5 - 0.2 * s, "val_expected_acceptance": 0.3 + 0.05 * s,
+                    "val_top1_agreement": 0.4 + 0.05 * s}) + "\n" for s in (0, 3, 6)))
+    written = write_report_plots(_report(), tmp_path / "plots", training_metrics=metrics) \
+        if (tmp_path / "plots").mkdir() is None else []
+    assert (tmp_path / "plots" / "training.png") in written
+    assert (tmp_path / "plots" / "training.png").stat().st_size > 1000
