@@ -703,8 +703,8 @@ def _restart_metrics(output_dir: Path, start_step: int, write: bool = True) -> l
 
 
 def _restart_jsonl(path: Path, start_step: int, write: bool = True) -> None:
-    """Keep the lines of ``path`` with ``step <= start_step`` (all gone on a fresh start)."""
-    if not write:
+    """Keep the lines of ``path`` with ``step <= start_step`` (all gone on a fresh start); no file is made."""
+    if not write or not path.exists():
         return
     kept = []
     if start_step > 0 and path.exists():

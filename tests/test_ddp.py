@@ -275,7 +275,8 @@ def test_distill_command_under_torchrun_resumes_unfinished_run(cli_ddp_run, tmp_
     new = [p for p in _distill_runs(copy) if p != old]
     assert len(new) == 1 and (new[0] / COMPLETE).is_file()
     manifest = read_manifest(new[0])
-    assert manifest["resumed_run"] == str(old) and manifest["resumed_from"].endswith("checkpoint-8")
+    assert manifest["resumed_run"] == str(new[0] / "attempts" / old.name) and not old.exists()
+    assert manifest["resumed_from"].endswith("checkpoint-8")
     assert manifest["train"]["steps"] == 10
     lines = (new[0] / "checkpoints" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 11))
