@@ -368,8 +368,7 @@ def validate(
             batch = collate(examples[start:start + batch_size], pad_token_id=pad_token_id, max_seq_len=max_seq_len)
             batch = {k: v.to(_device(drafter)) for k, v in batch.items()}
             n = int(batch["loss_mask"].sum())
-            with torch.no_grad():
-                loss_value, accept, agree = _loss_step(drafter, target, batch, spec)
+            loss_value, accept, agree = _loss_step(drafter, target, batch, spec)
             loss_sum += loss_value.item() * n
             accept_sum += accept
             agree_sum += agree
