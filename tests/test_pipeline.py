@@ -292,3 +292,24 @@ def test_drafter_for_another_target_is_refused_at_evaluate_and_export(tiny_run, 
                           f"export.path={tmp_path / 'x'}", cwd=root)
         assert proc.returncode == 2, stage
         assert "was tuned for target 'tiny-target'" in proc.stderr and "target.name=tiny-target" in proc.stderr
+
+
+def test_layer_choice_script_scores_candidate_layers(tmp_path):
+    out = tmp_path / "outputs"
+    proc = draftsmith("generate", "experiment=tiny", "generate.store_top_k=8", f"outputs={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [gen] = list(out.glob("generate/*"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "layer_choice.py"), "--generate", str(gen),
+                          "--drafter", "tiny-target", "--dtype", "float32", "--max-seq-len", "2048", "--first", "1", "2", "--layers", "1",
+                          "--out", str(tmp_path / "choice")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads((tmp_path / "choice" / "layer_choice.json").read_text())["rows"]
+    assert sorted(map(tuple, (r["layers"] for r in rows))) == [(0,), (0, 1), (1,)]
+    whole = next(r for r in rows if r["layers"] == [0, 1])  # all layers of the tiny target = the target itself
+    assert whole["top1_agreement"] == 1.0 and rows == sorted(rows, key=lambda r: -r["top1_agreement"])
+    assert "| 2 layers [0-1] | 2 | 1.000 |" in (tmp_path / "choice" / "layer_choice.md").read_text()
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "layer_choice.py"), "--generate", str(gen),
+                          "--drafter", "tiny-target", "--layers", "0,5"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)
+    assert bad.returncode == 2 and "0..1" in bad.stderr
