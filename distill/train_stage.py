@@ -153,6 +153,11 @@ def reduce_drafter_vocabulary(cfg: Config, drafter, train_examples, val_examples
         raise ConfigError(f"drafter.draft_vocab_size: {err}") from err
 
 
+def _num_held_out(num_examples: int, val_fraction: float) -> int:
+    """Examples the validation split takes (none from a single example: it is needed for training)."""
+    return int(num_examples * val_fraction) if num_examples > 1 else 0
+
+
 def _state_bytes(model) -> int:
     """Bytes a save_pretrained of ``model`` writes (its parameters and buffers, tied weights once)."""
     seen, total = set(), 0
@@ -180,7 +185,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     main = parallel.is_main()
     gen_dir = parallel.from_main(lambda: resolve_input(cfg.inputs.generate, cfg.outputs, "generate"))
     dataset, _, gen_manifest = load_generated(gen_dir)
-    if d.validate_every and (len(dataset) < 2 or int(len(dataset) * d.val_fraction) == 0):
+    if d.validate_every and _num_held_out(len(dataset), d.val_fraction) == 0:
         raise ConfigError(f"distill.validate_every={d.validate_every} needs held-out examples, but "
                           f"distill.val_fraction={d.val_fraction} of {len(dataset)} examples holds out none: raise "
                           f"distill.val_fraction (to at least {1 / max(len(dataset), 1):.2g}) or set "
@@ -216,7 +221,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     columns = ["prompt_ids", "completion_ids"] + (["top_k_ids", "top_k_logprobs"] if stored else [])
     examples = [{c: r[c] for c in columns} for r in dataset.select_columns(columns)]
     random.Random(d.seed).shuffle(examples)
-    num_val = int(len(examples) * d.val_fraction) if len(examples) > 1 else 0
+    num_val = _num_held_out(len(examples), d.val_fraction)
     val_examples, train_examples = examples[:num_val], examples[num_val:]
     if not val_examples and d.val_fraction > 0 and main:
         log.warning("distill.val_fraction=%s of %d examples holds out none: no validation figures this run "
