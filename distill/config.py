@@ -301,6 +301,9 @@ class InputsConfig:
     """Run folders a single stage reads. Empty = the newest complete run of that stage under outputs/."""
 
     generate: Optional[str] = None  # read by distill and evaluate
+    # more finished generate runs whose training answers distill adds to those of `generate` (same target,
+    # same store_top_k); evaluation keeps the held-out prompts of `generate`, whose prompts are dropped from these
+    extra_generate: list[str] = field(default_factory=list)
     distill: Optional[str] = None  # read by evaluate and export
     evaluate: Optional[str] = None  # read by export (figures for the model card)
     sweep: Optional[str] = None  # read by gather: a multirun folder (empty = the newest under outputs/multirun)

@@ -25,6 +25,7 @@ from distill.models import resolve_model
 from distill.report import write_report_markdown
 from distill.rundir import read_manifest, write_json_atomic
 from distill.train_stage import check_layers_exist, check_qlora, check_tokenizers, run_distill
+from distill.training_data import resolve_extra_generate
 
 
 def _release_memory() -> None:
@@ -41,7 +42,8 @@ def preflight(cfg: Config, export_run: Path) -> None:
 
     Raises:
         ConfigError: fp16 training or QLoRA without CUDA; stored target log-probs that generate
-            would not store.
+            would not store; an ``inputs.extra_generate`` run of another target or without them.
+        IncompleteRunError: an ``inputs.extra_generate`` folder is not a finished generate run.
         DraftsmithError: the export destination is taken.
         TokenizerMismatchError: target and drafter cannot share tokens (tokenizers only, no weights loaded).
     """
@@ -57,6 +59,7 @@ def preflight(cfg: Config, export_run: Path) -> None:
     drafter = AutoTokenizer.from_pretrained(resolve_model(cfg.drafter.name).path)
     check_tokenizers(target, drafter, cfg.target.name, cfg.drafter.name)
     check_layers_exist(cfg)
+    resolve_extra_generate(cfg)  # inputs.extra_generate: finished, same target, stored top-k where needed
     for name in cfg.evaluate.compare_drafters:  # evaluate.compare_drafters: resolvable, same tokens
         other = AutoTokenizer.from_pretrained(resolve_model(name).path)
         check_tokenizers(target, other, cfg.target.name, name)

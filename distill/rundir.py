@@ -168,22 +168,23 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / MANIFEST).read_text())
 
 
-def require_complete(path: str | Path, stage: str) -> Path:
-    """Check that ``path`` is a finished run folder of ``stage``.
+def require_complete(path: str | Path, stage: str, key: str | None = None) -> Path:
+    """Check that ``path`` is a finished run folder of ``stage``; ``key`` names the config key in errors
+    (default ``inputs.<stage>``).
 
     Raises:
         IncompleteRunError: the folder is missing, unfinished, or from another stage.
     """
-    path = Path(path)
+    path, key = Path(path), key or f"inputs.{stage}"
     if not path.is_dir():
-        raise IncompleteRunError(f"{stage} run folder {path} does not exist: pass inputs.{stage}=<folder of a finished {stage} run>")
+        raise IncompleteRunError(f"{stage} run folder {path} does not exist: pass {key}=<folder of a finished {stage} run>")
     if not is_complete(path):
         raise IncompleteRunError(
             f"{path} has no {COMPLETE} marker: that {stage} run did not finish. Re-run it with the same "
-            f"command (it resumes), or pass inputs.{stage}=<a finished run folder>")
+            f"command (it resumes), or pass {key}=<a finished run folder>")
     found = read_manifest(path).get("stage")
     if found != stage:
-        raise IncompleteRunError(f"{path} is a {found!r} run, not a {stage!r} run: pass inputs.{stage}=<a {stage} run folder>")
+        raise IncompleteRunError(f"{path} is a {found!r} run, not a {stage!r} run: pass {key}=<a {stage} run folder>")
     return path
 
 

@@ -30,6 +30,7 @@ from distill.resume import hold_lock, prepare_resume, resume_key
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
 from distill.tracking import NullLogger, make_logger, run_name
 from distill.train import train_drafter
+from distill.training_data import data_identity, resolve_extra_generate, training_examples
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,8 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     # Several launched processes (distill/parallel.py): all train, only the main one writes the run folder.
     main = parallel.is_main()
     gen_dir = parallel.from_main(lambda: resolve_input(cfg.inputs.generate, cfg.outputs, "generate"))
-    dataset, _, gen_manifest = load_generated(gen_dir)
+    dataset, held_out, gen_manifest = load_generated(gen_dir)
+    extra_dirs = resolve_extra_generate(cfg, gen_dir, gen_manifest)
     if d.validate_every and _num_held_out(len(dataset), d.val_fraction) == 0:
         raise ConfigError(f"distill.validate_every={d.validate_every} needs held-out examples, but "
                           f"distill.val_fraction={d.val_fraction} of {len(dataset)} examples holds out none: raise "
@@ -194,7 +196,8 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     if stored and not gen_manifest.get("store_top_k"):
         raise ConfigError(f"distill.target_source=stored needs the target's top-k log-probs, which {gen_dir} does "
                           "not hold: generate again with generate.store_top_k=20 (or use distill.target_source=online)")
-    run = StageRun.start("distill", run_dir, config_yaml, inputs={"generate": str(gen_dir)}) if main else None
+    inputs = {"generate": str(gen_dir), **({"extra_generate": [str(p) for p in extra_dirs]} if extra_dirs else {})}
+    run = StageRun.start("distill", run_dir, config_yaml, inputs=inputs) if main else None
 
     t0 = time.perf_counter()
     if stored:  # the stored log-probs stand in for the target: only its tokenizer and fingerprint are needed
@@ -219,7 +222,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     load_s = time.perf_counter() - t0
 
     columns = ["prompt_ids", "completion_ids"] + (["top_k_ids", "top_k_logprobs"] if stored else [])
-    examples = [{c: r[c] for c in columns} for r in dataset.select_columns(columns)]
+    examples, added = training_examples(dataset, held_out, extra_dirs, target_tok, columns)
     random.Random(d.seed).shuffle(examples)
     num_val = _num_held_out(len(examples), d.val_fraction)
     val_examples, train_examples = examples[:num_val], examples[num_val:]
@@ -229,8 +232,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     draft_ids, draft_vocab = reduce_drafter_vocabulary(cfg, drafter, train_examples, val_examples,
                                                        eos_token_ids(drafter, drafter_tok))
 
-    data_identity = gen_manifest.get("data_identity") or gen_manifest.get("shard_cache") or str(gen_dir)
-    key = resume_key(cfg, data_identity, target_res.fingerprint)
+    key = resume_key(cfg, data_identity(gen_manifest, gen_dir, extra_dirs), target_res.fingerprint)
     lock = None
 
     def claim_run() -> tuple[Path | None, dict]:  # the main process only; the others get its answer
@@ -252,7 +254,8 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             on_policy_fraction=d.on_policy_fraction, on_policy_temperature=d.on_policy_temperature,
             eos_token_ids=eos_token_ids(drafter, drafter_tok), keep_checkpoints=d.keep_checkpoints,
             validate_every=d.validate_every)
-        metrics["stored_top_k"] = gen_manifest.get("store_top_k") if stored else None  # k the targets were cut to
+        # k the targets were cut to (the smallest among the runs)
+        metrics["stored_top_k"] = min(r["store_top_k"] for r in [gen_manifest, *added]) if stored else None
         logger.summary({k: v for k, v in metrics.items() if v is not None})
     finally:
         logger.finish()
@@ -260,12 +263,12 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     return parallel.from_main(lambda: _save_run(cfg, run, drafter, drafter_tok, target_res, base_res, lora,
                                                 draft_ids, lock, metrics=metrics, draft_vocab=draft_vocab,
                                                 num_train=len(train_examples), num_val=len(val_examples),
-                                                load_s=load_s, resumed=resumed))
+                                                load_s=load_s, resumed=resumed, added=added))
 
 
 def _save_run(cfg: Config, run: StageRun, drafter, drafter_tok, target_res: ResolvedModel, base_res: ResolvedModel,
               lora: LoraSettings | None, draft_ids, lock, *, metrics: dict, draft_vocab, num_train: int,
-              num_val: int, load_s: float, resumed: dict) -> Path:
+              num_val: int, load_s: float, resumed: dict, added: list[dict[str, Any]]) -> Path:
     """The main process's end of :func:`run_distill`: the merged drafter, its info, the manifest and COMPLETE."""
     d, run_dir = cfg.distill, run.path
     if d.method == "qlora":
@@ -286,4 +289,5 @@ def _save_run(cfg: Config, run: StageRun, drafter, drafter_tok, target_res: Reso
         write_json_atomic(tmp / DRAFTER_INFO, info)
     lock.close()
     return run.complete(drafter=info, num_train_examples=num_train, num_val_examples=num_val,
-                        model_load_s=round(load_s, 2), train=metrics, draft_vocab=draft_vocab, **resumed)
+                        model_load_s=round(load_s, 2), train=metrics, draft_vocab=draft_vocab, **resumed,
+                        **({"extra_generate": added} if added else {}))

@@ -313,3 +313,96 @@ def test_layer_choice_script_scores_candidate_layers(tmp_path):
                           "--drafter", "tiny-target", "--layers", "0,5"], capture_output=True, text=True, env=env,
                          cwd=tmp_path)
     assert bad.returncode == 2 and "0..1" in bad.stderr
+
+
+def _prompt_file(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_distill_adds_the_examples_of_extra_generate_runs(tiny_run, tmp_path):
+    """inputs.extra_generate: its answers are trained on too, minus the main run's held-out prompts and repeats."""
+    import datasets
+
+    root, pipeline = tiny_run
+    main = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
+    held_out = [json.loads(line) for line in (main / "eval_prompts.jsonl").open()]
+    trained = datasets.load_from_disk(str(main / "dataset"))
+    records = [{"id": "held-out", "messages": held_out[0]["messages"]},  # evaluate's prompt: must not be trained
+               {"id": "new-0", "messages": [{"role": "user", "content": "write a haiku about pears"}]},
+               {"id": "new-1", "messages": [{"role": "user", "content": "sort a list in Go"}]},
+               {"id": "new-2", "messages": [{"role": "user", "content": "explain a hash map"}]},
+               {"id": "new-3", "messages": [{"role": "user", "content": "what is a monad"}]}]
+    prompts = _prompt_file(tmp_path / "more.jsonl", records)
+    extras = []
+    for name in ("more", "again"):  # the same prompts answered twice, in two output roots
+        proc = draftsmith("generate", "experiment=tiny", "data=file", f"data.path={prompts}",
+                          "generate.num_prompts=4", "evaluate.num_prompts=1", f"outputs={tmp_path}/{name}", cwd=root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        extras += [p.parent for p in (tmp_path / name).glob("generate/*/COMPLETE")]
+    extra, again = extras
+    answered = [r for r in records if r["id"] != json.loads((extra / "eval_prompts.jsonl").read_text())["id"]]
+    leaks = sum(r["id"] == "held-out" for r in answered)  # evaluate's prompt, if extra answered it
+
+    proc = draftsmith("distill", "experiment=tiny", f"inputs.generate={main}",
+                      f"inputs.extra_generate=[{extra},{again}]", "distill.max_steps=2", f"outputs={tmp_path}/out",
+                      cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [run] = [p.parent for p in (tmp_path / "out").glob("distill/*/COMPLETE")]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["inputs"] == {"generate": str(main), "extra_generate": [str(extra), str(again)]}
+    first, second = manifest["extra_generate"]
+    assert (first["examples"], first["dropped_held_out"], first["dropped_repeats"]) == (4 - leaks, leaks, 0)
+    assert (second["examples"], second["dropped_held_out"], second["dropped_repeats"]) == (0, leaks, 4 - leaks)
+    assert manifest["num_train_examples"] + manifest["num_val_examples"] == len(trained) + 4 - leaks
+    assert ("held out for evaluation" in proc.stdout + proc.stderr) == bool(leaks)  # hydra logs to stdout
+
+    # evaluate still measures on the main run's held-out prompts
+    proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={run}", "evaluate.hf_assisted=false",
+                      "evaluate.baseline=false", f"outputs={tmp_path}/eval", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [report] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
+    assert json.loads(report.read_text())["prompt_ids"] == [p["id"] for p in held_out]
+
+    # the same run twice, or a folder that is not a finished generate run: refused before any model loads
+    for extra_list, says in ((f"[{extra},{extra}]", "twice"), (f"[{main}]", "twice"),
+                             (f"[{run}]", "inputs.extra_generate=<a generate run folder>")):
+        proc = draftsmith("distill", "experiment=tiny", f"inputs.generate={main}",
+                          f"inputs.extra_generate={extra_list}", f"outputs={tmp_path}/bad", cwd=root)
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-800:]
+
+
+def test_extra_generate_runs_with_another_top_k_are_cut_to_the_smaller_k(tmp_path):
+    from distill.generate import load_generated
+    from distill.training_data import training_examples
+    from distill.models import load_model
+
+    runs = {}
+    for k, text in ((4, "apples"), (2, "pears")):
+        prompts = _prompt_file(tmp_path / f"{text}.jsonl", [
+            {"id": f"{text}-{i}", "messages": [{"role": "user", "content": f"a poem about {text}, {i}"}]}
+            for i in range(3)])
+        proc = draftsmith("generate", "experiment=tiny", "data=file", f"data.path={prompts}",
+                          "generate.num_prompts=2", "evaluate.num_prompts=1", f"generate.store_top_k={k}",
+                          f"outputs={tmp_path}/{text}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [runs[k]] = [p.parent for p in (tmp_path / text).glob("generate/*/COMPLETE")]
+    dataset, held_out, _ = load_generated(runs[4])
+    _, tokenizer, _ = load_model("tiny-target")
+    columns = ["prompt_ids", "completion_ids", "top_k_ids", "top_k_logprobs"]
+    examples, [added] = training_examples(dataset, held_out, [runs[2]], tokenizer, columns)
+    assert len(examples) == 4 and added["store_top_k"] == 2
+    assert all(len(row) == 2 for ex in examples for row in ex["top_k_ids"] + ex["top_k_logprobs"])
+    # the cut keeps each position's two most likely tokens (the stored lists are sorted)
+    first = dataset[0]
+    assert examples[0]["top_k_ids"] == [row[:2] for row in first["top_k_ids"]]
+    assert examples[0]["top_k_logprobs"] == [row[:2] for row in first["top_k_logprobs"]]
+
+
+def test_pipeline_refuses_an_extra_generate_run_without_stored_log_probs(tiny_run, tmp_path):
+    root, pipeline = tiny_run
+    main = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"  # stored nothing
+    proc = draftsmith("pipeline", "experiment=tiny", "distill.target_source=stored", "generate.store_top_k=4",
+                      f"inputs.extra_generate=[{main}]", f"outputs={tmp_path}/outputs", cwd=root)
+    assert proc.returncode == 2 and "generate.store_top_k=20" in proc.stderr, proc.stderr[-800:]
+    assert "[1/4]" not in proc.stdout
