@@ -26,6 +26,7 @@ from distill.config import Config
 from distill.drafters import describe_layers
 from distill.errors import TokenizerMismatchError
 from distill.models import eos_token_ids, load_model, tokenizers_compatible
+from distill.generate import prompt_length_limit
 from distill.prompts import encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, write_json_atomic, write_text_atomic
 from distill.train_stage import check_layers_exist, initial_drafter
@@ -119,7 +120,7 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             f"(written to {run_dir / CHECK_JSON}); pick a drafter from the target's family")
 
     _, held_out = split_prompts(load_prompts(cfg.data.source, cfg.data.path), num_train=0,
-                                num_eval=c.num_prompts, seed=cfg.data.seed)
+                                num_eval=c.num_prompts, seed=cfg.data.seed, keep=prompt_length_limit(cfg))
     prompts = [encode_prompt(tokenizer, p) for p in held_out]
     quantization = resolve_quantization(cfg.decode.drafter_quantization, target.device)
     runner = quantize_drafter(drafter, quantization)

@@ -19,6 +19,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 
 from distill.config import Config
 from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
-from distill.models import eos_token_ids, load_model
+from distill.models import eos_token_ids, load_model, resolve_model
 from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, atomic_dir, write_text_atomic
 from distill.tracking import make_logger, run_name
@@ -47,7 +48,19 @@ def select_prompts(cfg: Config, skipped: list[str] | None = None) -> tuple[list[
     """
     prompts = load_prompts(cfg.data.source, cfg.data.path, on_bad_line=cfg.data.on_bad_line, skipped=skipped)
     return split_prompts(prompts, num_train=cfg.generate.num_prompts, num_eval=cfg.evaluate.num_prompts,
-                         seed=cfg.data.seed)
+                         seed=cfg.data.seed, keep=prompt_length_limit(cfg))
+
+
+def prompt_length_limit(cfg: Config) -> Callable[[Prompt], bool] | None:
+    """``data.max_prompt_tokens`` as a test on one prompt (its token count with the target's chat template),
+    or None without a limit. Loads the target's tokenizer only."""
+    limit = cfg.data.max_prompt_tokens
+    if limit is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)
+    return lambda prompt: len(encode_prompt(tokenizer, prompt)) <= limit
 
 
 def _shard_key(fingerprint: str, cfg: Config) -> str:

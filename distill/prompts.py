@@ -17,8 +17,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,7 +288,7 @@ def _prompt_from_record(record, path: Path, number: int) -> Prompt:
 
 
 def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: int,
-                  seed: int) -> tuple[list[Prompt], list[Prompt]]:
+                  seed: int, keep: Callable[[Prompt], bool] | None = None) -> tuple[list[Prompt], list[Prompt]]:
     """Deterministic, disjoint train/eval split.
 
     Prompts are ordered by sha256(seed, id), so the order does not depend on
@@ -295,10 +296,12 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
     dropped (first kept) so the two sets share neither. Eval takes
     ``num_eval`` prompts round robin across sources (each in hash order), train
     the next ``num_train`` of the rest (None: all of it), hence growing
-    ``num_train`` never changes the eval set.
+    ``num_train`` never changes the eval set. ``keep`` (e.g. a length limit) is
+    asked only about prompts reached in that order, so a large source is not
+    scanned whole; prompts it refuses are passed over.
 
     Raises:
-        ConfigError: negative counts, or more prompts requested than available.
+        ConfigError: negative counts, or more prompts requested than available (and kept).
     """
     if num_eval < 0 or (num_train is not None and num_train < 0):
         raise ConfigError(f"num_train and num_eval must be >= 0, got {num_train} and {num_eval}")
@@ -319,20 +322,39 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
             f"prompts are available; lower the counts (generate.num_prompts, evaluate.num_prompts) or "
             f"use a larger source (data.source=sharegpt)."
         )
+    verdicts: dict[str, bool] = {}
+
+    def kept(prompt: Prompt) -> bool:
+        if keep is None:
+            return True
+        if prompt.id not in verdicts:
+            verdicts[prompt.id] = keep(prompt)
+        return verdicts[prompt.id]
+
     # Eval is stratified by source (round robin in hash order), so a mixed set evaluates every
     # source rather than whichever the hash happens to favour.
     by_source: dict[str, list[Prompt]] = {}
     for prompt in ordered:
         by_source.setdefault(prompt.source, []).append(prompt)
     eval_set: list[Prompt] = []
-    queues = [list(group) for _, group in sorted(by_source.items())]
-    while len(eval_set) < num_eval:
-        for queue in queues:
-            if queue and len(eval_set) < num_eval:
-                eval_set.append(queue.pop(0))
+    queues = [iter(group) for _, group in sorted(by_source.items())]
+    while len(eval_set) < num_eval and queues:
+        for queue in list(queues):
+            if len(eval_set) < num_eval:
+                taken = next((p for p in queue if kept(p)), None)
+                if taken is None:
+                    queues.remove(queue)
+                else:
+                    eval_set.append(taken)
     eval_ids = {p.id for p in eval_set}
-    rest = [p for p in ordered if p.id not in eval_ids]
-    train_set = rest if num_train is None else rest[:num_train]
+    rest = (p for p in ordered if p.id not in eval_ids and kept(p))
+    train_set = list(rest) if num_train is None else list(itertools.islice(rest, num_train))
+    if len(eval_set) < num_eval or (num_train is not None and len(train_set) < num_train):
+        refused = sum(not v for v in verdicts.values())
+        raise ConfigError(
+            f"Asked for {num_eval} eval + {num_train} train prompts but only {len(eval_set) + len(train_set)} of "
+            f"the {len(ordered)} distinct prompts pass the length limit ({refused} are longer than "
+            f"data.max_prompt_tokens): raise data.max_prompt_tokens or lower the counts.")
     return train_set, eval_set
 
 

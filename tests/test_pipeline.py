@@ -406,3 +406,29 @@ def test_pipeline_refuses_an_extra_generate_run_without_stored_log_probs(tiny_ru
                       f"inputs.extra_generate=[{main}]", f"outputs={tmp_path}/outputs", cwd=root)
     assert proc.returncode == 2 and "generate.store_top_k=20" in proc.stderr, proc.stderr[-800:]
     assert "[1/4]" not in proc.stdout
+
+
+def test_max_prompt_tokens_passes_over_long_prompts(tmp_path):
+    from distill.models import load_model
+    from distill.prompts import Prompt, encode_prompt
+
+    _, tokenizer, _ = load_model("tiny-target")
+    texts = [f"short prompt {i}" for i in range(6)] + [f"a long prompt {i} " + "word " * 100 for i in range(3)]
+    lengths = [len(encode_prompt(tokenizer, Prompt(id="x", source="file", category="file",
+                                                   messages=[{"role": "user", "content": t}]))) for t in texts]
+    limit = max(lengths[:6])
+    assert min(lengths[6:]) > limit
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(t + "\n" for t in texts))
+    args = ["generate", "experiment=tiny", "data=file", f"data.path={prompts}", f"outputs={tmp_path}/outputs",
+            "evaluate.num_prompts=1", f"data.max_prompt_tokens={limit}"]
+    proc = draftsmith(*args, "generate.num_prompts=5", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import datasets
+
+    [run] = [p.parent for p in (tmp_path / "outputs").glob("generate/*/COMPLETE")]
+    rows = datasets.load_from_disk(str(run / "dataset"))
+    assert len(rows) == 5 and max(len(ids) for ids in rows["prompt_ids"]) <= limit
+    # six prompts are short enough: asking for seven is refused before the target loads, naming the key
+    proc = draftsmith(*args, "generate.num_prompts=6", cwd=tmp_path)
+    assert proc.returncode == 2 and "data.max_prompt_tokens" in proc.stderr, proc.stderr[-800:]

@@ -222,6 +222,26 @@ def test_split_drops_duplicate_texts():
         split_prompts(pool, num_train=-1, num_eval=2, seed=0)
 
 
+def test_a_length_limit_splits_as_if_the_long_prompts_were_never_there(humaneval, mtbench):
+    pool = humaneval + mtbench
+    short = lambda p: len(_user(p)) <= 600  # noqa: E731
+    asked = []
+
+    def keep(p):
+        asked.append(p.id)
+        return short(p)
+
+    train, evals = split_prompts(pool, num_train=30, num_eval=6, seed=0, keep=keep)
+    expected = split_prompts([p for p in pool if short(p)], num_train=30, num_eval=6, seed=0)
+    assert [p.id for p in train] == [p.id for p in expected[0]] and [p.id for p in evals] == [p.id for p in expected[1]]
+    assert all(short(p) for p in train + evals) and {p.source for p in evals} == {"humaneval", "mtbench"}
+    assert len(asked) == len(set(asked)) < len(pool)  # asked once each, and not about the whole source
+    refused = sum(not short(p) for p in pool)
+    assert refused > 0
+    with pytest.raises(ConfigError, match="data.max_prompt_tokens"):
+        split_prompts(pool, num_train=len(pool) - refused - 5, num_eval=6, seed=0, keep=short)  # one short
+
+
 # --------------------------------------------------------------------------- encoding
 
 
