@@ -177,6 +177,36 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
+def _list_keys(cls=None, prefix: str = "") -> set[str]:
+    """Dotted keys of the config whose values are lists (e.g. ``drafter.layers``)."""
+    import dataclasses
+    import typing
+
+    from distill.config import Config
+
+    keys = set()
+    for f in dataclasses.fields(cls or Config):
+        kind = typing.get_type_hints(cls or Config)[f.name]
+        if typing.get_origin(kind) is typing.Union:  # Optional[X] -> X
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if typing.get_origin(kind) is list:
+            keys.add(prefix + f.name)
+        elif dataclasses.is_dataclass(kind):
+            keys |= _list_keys(kind, f"{prefix}{f.name}.")
+    return keys
+
+
+def _refuse_scalars_for_lists(stage: str, overrides: list[str]) -> None:
+    """``drafter.layers=0`` would get Hydra's "int is not a ListConfig": say how to write a list instead."""
+    keys = _list_keys()
+    for word in overrides:
+        key, _, value = word.lstrip("+").partition("=")
+        if key in keys and value and not value.startswith("[") and value != "null" and "," not in value:
+            print(f"draftsmith {stage}: config error: {key} takes a list: write '{key}=[{value}]' "
+                  f"(quoted for the shell), or {key}=null", file=sys.stderr)
+            sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``draftsmith``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -199,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     datasets.disable_progress_bars()
     register_configs()
     flags, overrides = _split_flags(rest)
+    _refuse_scalars_for_lists(stage, overrides)
     if parallel.world_size() > 1:  # torchrun / accelerate launch: N processes, one distill run
         _refuse_in_parallel(stage, flags)
         try:

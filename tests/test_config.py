@@ -101,6 +101,18 @@ def test_cli_config_error_exits_2_and_leaves_no_run_folder(tmp_path):
     assert not list((tmp_path / "generate").glob("*"))
 
 
+@pytest.mark.parametrize("override, hint", [
+    ("drafter.layers=0", "'drafter.layers=[0]'"),
+    ("evaluate.compare_drafters=qwen2.5-coder-0.5b-instruct", "'evaluate.compare_drafters=[qwen2.5-coder-0.5b-instruct]'"),
+    ("inputs.extra_generate=outputs/generate/x", "'inputs.extra_generate=[outputs/generate/x]'"),
+])
+def test_a_scalar_for_a_list_key_says_how_to_write_the_list(tmp_path, override, hint):
+    proc = cli("distill", "experiment=tiny", override, f"outputs={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 2 and hint in proc.stderr and "ListConfig" not in proc.stderr, proc.stderr
+    ok = cli("distill", "experiment=tiny", "drafter.layers=[0]", "--cfg", "job", cwd=tmp_path)
+    assert ok.returncode == 0 and "- 0" in ok.stdout, ok.stderr
+
+
 def test_cli_help_and_cfg(tmp_path):
     usage = cli("--help")
     assert usage.returncode == 0 and "pipeline" in usage.stdout
