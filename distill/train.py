@@ -357,7 +357,7 @@ def validate(
     """
     spec = LossSpec(loss, jsd_beta, temperature)
     _check_args(spec)
-    examples = _usable_examples(examples, max_seq_len)
+    examples = _usable_examples(examples, max_seq_len, "validation")
     pad_token_id = _default_pad_id(target if target is not None else drafter) if pad_token_id is None else pad_token_id
     was_training = drafter.training
     drafter.eval()
@@ -451,7 +451,7 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
     from accelerate.utils import set_seed
     from transformers import get_linear_schedule_with_warmup
 
-    examples = _usable_examples(examples, max_seq_len)
+    examples = _usable_examples(examples, max_seq_len, "training")
     accelerator = Accelerator(gradient_accumulation_steps=grad_accum, mixed_precision=mixed_precision)
     _check_processes(accelerator)
     data_key = {"seed": seed, "batch_size": batch_size, "grad_accum": grad_accum,
@@ -517,7 +517,16 @@ class _StreamSampler(Sampler[int]):
             epoch, offset = epoch + 1, 0
 
 
-def _usable_examples(examples: Sequence[dict], max_seq_len: int) -> list[dict]:
+_WARNED: set[tuple] = set()  # validation runs every validate_every steps: say each thing once
+
+
+def _warn_once(message: str, *args) -> None:
+    if (message, args) not in _WARNED:
+        _WARNED.add((message, args))
+        log.warning(message, *args)
+
+
+def _usable_examples(examples: Sequence[dict], max_seq_len: int, what: str = "training") -> list[dict]:
     usable, cut = [], 0
     for ex in examples:
         prompt, completion = _truncate(list(ex["prompt_ids"]), list(ex["completion_ids"]), max_seq_len)
@@ -532,13 +541,13 @@ def _usable_examples(examples: Sequence[dict], max_seq_len: int) -> list[dict]:
         raise DraftsmithError(f"none of the {len(examples)} examples has a completion token to learn "
                               "from: check the generate stage output (empty answers?) or raise max_seq_len")
     if len(usable) < len(examples):
-        log.warning("skipping %d of %d examples without completion tokens", len(examples) - len(usable),
-                    len(examples))
+        _warn_once("skipping %d of %d %s examples without completion tokens", len(examples) - len(usable),
+                   len(examples), what)
     if cut:
         # the drafter then learns from a cut context (stored target log-probs saw the whole prompt)
-        log.warning("%d of %d examples are longer than max_seq_len=%d and were cut (prompt from the left, answer "
-                    "from the right): raise distill.max_seq_len to train on whole examples", cut, len(examples),
-                    max_seq_len)
+        _warn_once("%d of %d %s examples are longer than max_seq_len=%d and were cut (prompt from the left, "
+                   "answer from the right): raise distill.max_seq_len to train on whole examples", cut,
+                   len(examples), what, max_seq_len)
     return usable
 
 

@@ -221,3 +221,19 @@ def test_disk_full_during_a_checkpoint_keeps_the_earlier_ones(target, examples, 
                       progress=False, checkpoint_every=2)
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()
     assert not (tmp_path / "checkpoint-4").exists() and not list(tmp_path.glob(".checkpoint-4*"))
+
+
+def test_cut_examples_are_warned_about_once_per_split(caplog):
+    from distill.train import _usable_examples
+
+    long = [{"prompt_ids": list(range(10)), "completion_ids": list(range(10))} for _ in range(3)]
+    with caplog.at_level("WARNING", logger="distill.train"):
+        for _ in range(3):  # validation runs every validate_every steps
+            kept = _usable_examples(long, max_seq_len=8, what="validation")
+        _usable_examples(long, max_seq_len=8, what="training")
+    assert len(kept) == 3 and all(len(ex["prompt_ids"]) + len(ex["completion_ids"]) <= 8 for ex in kept)
+    cut = [r.getMessage() for r in caplog.records if "were cut" in r.getMessage()]
+    assert cut == ["3 of 3 validation examples are longer than max_seq_len=8 and were cut (prompt from the left, "
+                   "answer from the right): raise distill.max_seq_len to train on whole examples",
+                   "3 of 3 training examples are longer than max_seq_len=8 and were cut (prompt from the left, "
+                   "answer from the right): raise distill.max_seq_len to train on whole examples"]
