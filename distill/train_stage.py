@@ -27,7 +27,7 @@ from distill.generate import load_generated
 from distill.models import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
 from distill.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
 from distill.resume import hold_lock, prepare_resume, resume_key
-from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
+from distill.rundir import StageRun, atomic_dir, read_manifest, resolve_input, write_json_atomic
 from distill.tracking import NullLogger, make_logger, run_name
 from distill.train import train_drafter
 from distill.training_data import data_identity, resolve_extra_generate, training_examples
@@ -159,6 +159,15 @@ def _num_held_out(num_examples: int, val_fraction: float) -> int:
     return int(num_examples * val_fraction) if num_examples > 1 else 0
 
 
+def _check_validation_split(d, num_examples: int) -> None:
+    """Raises ConfigError: ``distill.validate_every`` is set but the validation split would be empty."""
+    if d.validate_every and _num_held_out(num_examples, d.val_fraction) == 0:
+        raise ConfigError(f"distill.validate_every={d.validate_every} needs held-out examples, but "
+                          f"distill.val_fraction={d.val_fraction} of {num_examples} examples holds out none: raise "
+                          f"distill.val_fraction (to at least {1 / max(num_examples, 1):.2g}) or set "
+                          "distill.validate_every=0")
+
+
 def _state_bytes(model) -> int:
     """Bytes a save_pretrained of ``model`` writes (its parameters and buffers, tied weights once)."""
     seen, total = set(), 0
@@ -187,11 +196,9 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     gen_dir = parallel.from_main(lambda: resolve_input(cfg.inputs.generate, cfg.outputs, "generate"))
     dataset, held_out, gen_manifest = load_generated(gen_dir)
     extra_dirs = resolve_extra_generate(cfg, gen_dir, gen_manifest)
-    if d.validate_every and _num_held_out(len(dataset), d.val_fraction) == 0:
-        raise ConfigError(f"distill.validate_every={d.validate_every} needs held-out examples, but "
-                          f"distill.val_fraction={d.val_fraction} of {len(dataset)} examples holds out none: raise "
-                          f"distill.val_fraction (to at least {1 / max(len(dataset), 1):.2g}) or set "
-                          "distill.validate_every=0")
+    # an upper bound before the added runs' repeats are dropped: enough to refuse a split that holds out nothing
+    num_examples = len(dataset) + sum(read_manifest(p).get("num_train_prompts", 0) for p in extra_dirs)
+    _check_validation_split(d, num_examples)
     stored = d.target_source == "stored"
     if stored and not gen_manifest.get("store_top_k"):
         raise ConfigError(f"distill.target_source=stored needs the target's top-k log-probs, which {gen_dir} does "
@@ -226,6 +233,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     random.Random(d.seed).shuffle(examples)
     num_val = _num_held_out(len(examples), d.val_fraction)
     val_examples, train_examples = examples[:num_val], examples[num_val:]
+    _check_validation_split(d, len(examples))  # again, now that repeats are dropped
     if not val_examples and d.val_fraction > 0 and main:
         log.warning("distill.val_fraction=%s of %d examples holds out none: no validation figures this run "
                     "(raise distill.val_fraction or generate more prompts)", d.val_fraction, len(examples))
