@@ -177,34 +177,48 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def _list_keys(cls=None, prefix: str = "") -> set[str]:
-    """Dotted keys of the config whose values are lists (e.g. ``drafter.layers``)."""
+def _list_keys(cls=None, prefix: str = "") -> dict[str, bool]:
+    """Dotted keys of the config whose values are lists (e.g. ``drafter.layers``), each with whether
+    it may be null."""
     import dataclasses
     import typing
 
     from distill.config import Config
 
-    keys = set()
+    keys: dict[str, bool] = {}
     for f in dataclasses.fields(cls or Config):
         kind = typing.get_type_hints(cls or Config)[f.name]
-        if typing.get_origin(kind) is typing.Union:  # Optional[X] -> X
+        optional = typing.get_origin(kind) is typing.Union
+        if optional:  # Optional[X] -> X
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         if typing.get_origin(kind) is list:
-            keys.add(prefix + f.name)
+            keys[prefix + f.name] = optional
         elif dataclasses.is_dataclass(kind):
-            keys |= _list_keys(kind, f"{prefix}{f.name}.")
+            keys.update(_list_keys(kind, f"{prefix}{f.name}."))
     return keys
 
 
 def _refuse_scalars_for_lists(stage: str, overrides: list[str]) -> None:
-    """``drafter.layers=0`` would get Hydra's "int is not a ListConfig": say how to write a list instead."""
+    """``drafter.layers=0`` would get Hydra's "int is not a ListConfig": say how to write a list instead.
+
+    Raises:
+        SystemExit(2): an override gives a list key something other than ``[...]`` (or null where allowed).
+    """
     keys = _list_keys()
     for word in overrides:
         key, _, value = word.lstrip("+").partition("=")
-        if key in keys and value and not value.startswith("[") and value != "null" and "," not in value:
-            print(f"draftsmith {stage}: config error: {key} takes a list: write '{key}=[{value}]' "
-                  f"(quoted for the shell), or {key}=null", file=sys.stderr)
-            sys.exit(2)
+        if key not in keys or value.startswith("[") or (value == "null" and keys[key]):
+            continue
+        items = value.strip("'\"")
+        empty = "null" if keys[key] else "[]"
+        hint = f"write '{key}=[{items}]' (quoted for the shell), or {key}={empty} for none"
+        if not items or value == "null":
+            hint = f"write '{key}=[...]' (quoted for the shell), or {key}={empty} for none"
+        elif "," in items:  # a Hydra sweep over scalars, or a list without its brackets
+            hint = (f"write '{key}=[{items}]' (quoted for the shell) for one list; a sweep (-m) over lists is "
+                    f"'{key}=[0,1],[0,2]'")
+        print(f"draftsmith {stage}: config error: {key} takes a list: {hint}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,17 +38,29 @@ DATASET_DIR = "dataset"
 EVAL_PROMPTS = "eval_prompts.jsonl"
 
 
-def select_prompts(cfg: Config, skipped: list[str] | None = None) -> tuple[list[Prompt], list[Prompt]]:
+def select_prompts(cfg: Config, skipped: list[str] | None = None,
+                   too_long: list[str] | None = None) -> tuple[list[Prompt], list[Prompt]]:
     """The training and held-out evaluation prompts for ``cfg`` (disjoint, deterministic in ``data.seed``).
 
-    Malformed lines skipped under ``data.on_bad_line=skip`` are appended to ``skipped``.
+    Malformed lines skipped under ``data.on_bad_line=skip`` are appended to ``skipped``, the ids of
+    prompts passed over for ``data.max_prompt_tokens`` to ``too_long``.
 
     Raises:
         PromptError: the source is missing, empty or malformed.
+        ConfigError: fewer prompts than asked for (within the length limit).
     """
     prompts = load_prompts(cfg.data.source, cfg.data.path, on_bad_line=cfg.data.on_bad_line, skipped=skipped)
+    limit = prompt_length_limit(cfg)
+
+    def keep(prompt: Prompt) -> bool:
+        if limit(prompt):
+            return True
+        if too_long is not None:
+            too_long.append(prompt.id)
+        return False
+
     return split_prompts(prompts, num_train=cfg.generate.num_prompts, num_eval=cfg.evaluate.num_prompts,
-                         seed=cfg.data.seed, keep=prompt_length_limit(cfg))
+                         seed=cfg.data.seed, keep=keep if limit else None)
 
 
 def prompt_length_limit(cfg: Config) -> Callable[[Prompt], bool] | None:
@@ -137,7 +149,11 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         PromptError, ModelNotFoundError, ModelIntegrityError: bad prompts or model (before any generation).
     """
     skipped: list[str] = []
-    train, held_out = select_prompts(cfg, skipped)  # prompt errors surface before the slow model load
+    too_long: list[str] = []
+    train, held_out = select_prompts(cfg, skipped, too_long)  # prompt errors surface before the slow model load
+    if too_long:
+        print(f"generate: passed over {len(too_long)} prompt(s) longer than data.max_prompt_tokens="
+              f"{cfg.data.max_prompt_tokens} tokens (e.g. {', '.join(too_long[:3])})")
     run = StageRun.start("generate", run_dir, config_yaml)
     t0 = time.perf_counter()
     model, tokenizer, resolved = load_model(cfg.target.name, dtype=cfg.target.dtype)
@@ -237,6 +253,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         completion_tokens=sum(len(x) for x in lengths),
         finished_with_eos=sum(r == "eos" for r in dataset["finish_reason"]),
         skipped_prompt_lines=skipped,
+        prompts_over_max_tokens=len(too_long),
         model_load_s=round(load_s, 2),
         generation_tokens_per_s=round(new_tokens / gen_s, 2) if gen_s else None,
     )

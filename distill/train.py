@@ -794,7 +794,8 @@ def _read_state(path: Path, data_key: dict) -> dict:
     if changed:
         detail = ", ".join(f"{k}: checkpoint {old} vs now {new}" for k, (old, new) in changed.items())
         raise DraftsmithError(f"cannot resume from {path}: the data order would change ({detail}); "
-                              "resume with the same examples and settings, or start fresh")
+                              "resume with the same examples (inputs.generate, inputs.extra_generate, "
+                              "distill.val_fraction) and settings, or start fresh")
     return state
 
 

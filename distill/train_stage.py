@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from distill.generate import load_generated
 from distill.models import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
 from distill.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
 from distill.resume import hold_lock, prepare_resume, resume_key
-from distill.rundir import StageRun, atomic_dir, read_manifest, resolve_input, write_json_atomic
+from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
 from distill.tracking import NullLogger, make_logger, run_name
 from distill.train import train_drafter
 from distill.training_data import data_identity, resolve_extra_generate, training_examples
@@ -162,10 +163,12 @@ def _num_held_out(num_examples: int, val_fraction: float) -> int:
 def _check_validation_split(d, num_examples: int) -> None:
     """Raises ConfigError: ``distill.validate_every`` is set but the validation split would be empty."""
     if d.validate_every and _num_held_out(num_examples, d.val_fraction) == 0:
+        # rounded up to 3 decimals, so the fraction suggested does hold out one example
+        fix = (f"raise distill.val_fraction (to at least {math.ceil(1000 / num_examples) / 1000:g})"
+               if num_examples > 1 else "generate more prompts (one example cannot be split)")
         raise ConfigError(f"distill.validate_every={d.validate_every} needs held-out examples, but "
-                          f"distill.val_fraction={d.val_fraction} of {num_examples} examples holds out none: raise "
-                          f"distill.val_fraction (to at least {1 / max(num_examples, 1):.2g}) or set "
-                          "distill.validate_every=0")
+                          f"distill.val_fraction={d.val_fraction} of {num_examples} examples holds out none: "
+                          f"{fix} or set distill.validate_every=0")
 
 
 def _state_bytes(model) -> int:
@@ -195,25 +198,38 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     main = parallel.is_main()
     gen_dir = parallel.from_main(lambda: resolve_input(cfg.inputs.generate, cfg.outputs, "generate"))
     dataset, held_out, gen_manifest = load_generated(gen_dir)
+    if not cfg.inputs.generate and main:  # the run that also owns the evaluation prompts: say which it is
+        print(f"distill: training on {gen_dir}, the newest finished generate run under {cfg.outputs} "
+              "(inputs.generate=<run> picks another)")
     extra_dirs = resolve_extra_generate(cfg, gen_dir, gen_manifest)
-    # an upper bound before the added runs' repeats are dropped: enough to refuse a split that holds out nothing
-    num_examples = len(dataset) + sum(read_manifest(p).get("num_train_prompts", 0) for p in extra_dirs)
-    _check_validation_split(d, num_examples)
     stored = d.target_source == "stored"
     if stored and not gen_manifest.get("store_top_k"):
         raise ConfigError(f"distill.target_source=stored needs the target's top-k log-probs, which {gen_dir} does "
                           "not hold: generate again with generate.store_top_k=20 (or use distill.target_source=online)")
+
+    # The examples and their split come before any model loads (the tokenizer is enough), so a split that
+    # cannot validate is refused in seconds.
+    from transformers import AutoTokenizer
+
+    target_res = resolve_model(cfg.target.name)
+    target_tok = AutoTokenizer.from_pretrained(target_res.path)
+    columns = ["prompt_ids", "completion_ids"] + (["top_k_ids", "top_k_logprobs"] if stored else [])
+    examples, added = training_examples(dataset, held_out, extra_dirs, target_tok, columns)
+    _check_validation_split(d, len(examples))
+    random.Random(d.seed).shuffle(examples)
+    num_val = _num_held_out(len(examples), d.val_fraction)
+    val_examples, train_examples = examples[:num_val], examples[num_val:]
+    if not val_examples and d.val_fraction > 0 and main:
+        log.warning("distill.val_fraction=%s of %d examples holds out none: no validation figures this run "
+                    "(raise distill.val_fraction or generate more prompts)", d.val_fraction, len(examples))
     inputs = {"generate": str(gen_dir), **({"extra_generate": [str(p) for p in extra_dirs]} if extra_dirs else {})}
     run = StageRun.start("distill", run_dir, config_yaml, inputs=inputs) if main else None
 
     t0 = time.perf_counter()
     if stored:  # the stored log-probs stand in for the target: only its tokenizer and fingerprint are needed
-        from transformers import AutoTokenizer
-
-        target, target_res = None, resolve_model(cfg.target.name)
-        target_tok = AutoTokenizer.from_pretrained(target_res.path)
+        target = None
     else:
-        target, target_tok, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
+        target, target_tok, target_res = load_model(target_res, dtype=cfg.target.dtype)
     if gen_manifest["target"]["fingerprint"] != target_res.fingerprint:
         raise DraftsmithError(
             f"{gen_dir} was generated by {gen_manifest['target']['name']!r}, not by target {cfg.target.name!r}: "
@@ -228,15 +244,6 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     check_tokenizers(target_tok, drafter_tok, cfg.target.name, cfg.drafter.name)
     load_s = time.perf_counter() - t0
 
-    columns = ["prompt_ids", "completion_ids"] + (["top_k_ids", "top_k_logprobs"] if stored else [])
-    examples, added = training_examples(dataset, held_out, extra_dirs, target_tok, columns)
-    random.Random(d.seed).shuffle(examples)
-    num_val = _num_held_out(len(examples), d.val_fraction)
-    val_examples, train_examples = examples[:num_val], examples[num_val:]
-    _check_validation_split(d, len(examples))  # again, now that repeats are dropped
-    if not val_examples and d.val_fraction > 0 and main:
-        log.warning("distill.val_fraction=%s of %d examples holds out none: no validation figures this run "
-                    "(raise distill.val_fraction or generate more prompts)", d.val_fraction, len(examples))
     draft_ids, draft_vocab = reduce_drafter_vocabulary(cfg, drafter, train_examples, val_examples,
                                                        eos_token_ids(drafter, drafter_tok))
 
@@ -262,8 +269,9 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             on_policy_fraction=d.on_policy_fraction, on_policy_temperature=d.on_policy_temperature,
             eos_token_ids=eos_token_ids(drafter, drafter_tok), keep_checkpoints=d.keep_checkpoints,
             validate_every=d.validate_every)
-        # k the targets were cut to (the smallest among the runs)
-        metrics["stored_top_k"] = min(r["store_top_k"] for r in [gen_manifest, *added]) if stored else None
+        # k the targets were cut to (the smallest among the runs that added examples)
+        metrics["stored_top_k"] = min(r["store_top_k"] for r in [gen_manifest, *added]
+                                      if r.get("examples", 1)) if stored else None
         logger.summary({k: v for k, v in metrics.items() if v is not None})
     finally:
         logger.finish()

@@ -36,12 +36,16 @@ def resolve_extra_generate(cfg: Config, main_dir: Path | None = None,
             holds no stored top-k log-probs while ``distill.target_source=stored``.
     """
     paths = [require_complete(p, "generate", key=EXTRA_KEY) for p in cfg.inputs.extra_generate]
-    seen = {main_dir.resolve()} if main_dir is not None else set()
+    seen: set[Path] = set()
     stored = cfg.distill.target_source == "stored"
     for path in paths:
+        if main_dir is not None and path.resolve() == main_dir.resolve():
+            how = "inputs.generate" if cfg.inputs.generate else \
+                f"the run distill reads because inputs.generate is empty (the newest under {cfg.outputs})"
+            raise ConfigError(f"{EXTRA_KEY} names {path}, which is {how}: drop it from {EXTRA_KEY}, or set "
+                              "inputs.generate=<another run>")
         if path.resolve() in seen:
-            raise ConfigError(f"{EXTRA_KEY} names {path} twice (or it is inputs.generate itself): list each "
-                              "generate run once")
+            raise ConfigError(f"{EXTRA_KEY} names {path} twice: list each generate run once")
         seen.add(path.resolve())
         manifest = read_manifest(path)
         target = manifest.get("target", {})
@@ -97,6 +101,8 @@ def training_examples(dataset, held_out: Sequence[Prompt], extra: Sequence[Path]
         if dropped_held:
             log.warning("%s: dropped %d example(s) whose prompts are held out for evaluation by inputs.generate",
                         path, dropped_held)
+        if not kept:
+            log.warning("%s adds no example: every prompt of it is held out or already taken", path)
         if dropped_repeat:
             log.warning("%s: dropped %d example(s) whose prompts an earlier run already answered", path,
                         dropped_repeat)

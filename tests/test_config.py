@@ -105,6 +105,9 @@ def test_cli_config_error_exits_2_and_leaves_no_run_folder(tmp_path):
     ("drafter.layers=0", "'drafter.layers=[0]'"),
     ("evaluate.compare_drafters=qwen2.5-coder-0.5b-instruct", "'evaluate.compare_drafters=[qwen2.5-coder-0.5b-instruct]'"),
     ("inputs.extra_generate=outputs/generate/x", "'inputs.extra_generate=[outputs/generate/x]'"),
+    ("evaluate.compare_drafters=null", "evaluate.compare_drafters=[] for none"),  # not Optional: [] is "none"
+    ("drafter.layers=", "drafter.layers=null for none"),
+    ("drafter.layers=0,1", "'drafter.layers=[0,1]' (quoted for the shell) for one list"),
 ])
 def test_a_scalar_for_a_list_key_says_how_to_write_the_list(tmp_path, override, hint):
     proc = cli("distill", "experiment=tiny", override, f"outputs={tmp_path}", cwd=tmp_path)

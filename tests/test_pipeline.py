@@ -365,7 +365,7 @@ def test_distill_adds_the_examples_of_extra_generate_runs(tiny_run, tmp_path):
     assert json.loads(report.read_text())["prompt_ids"] == [p["id"] for p in held_out]
 
     # the same run twice, or a folder that is not a finished generate run: refused before any model loads
-    for extra_list, says in ((f"[{extra},{extra}]", "twice"), (f"[{main}]", "twice"),
+    for extra_list, says in ((f"[{extra},{extra}]", "twice"), (f"[{main}]", "which is inputs.generate"),
                              (f"[{run}]", "inputs.extra_generate=<a generate run folder>")):
         proc = draftsmith("distill", "experiment=tiny", f"inputs.generate={main}",
                           f"inputs.extra_generate={extra_list}", f"outputs={tmp_path}/bad", cwd=root)
@@ -429,6 +429,8 @@ def test_max_prompt_tokens_passes_over_long_prompts(tmp_path):
     [run] = [p.parent for p in (tmp_path / "outputs").glob("generate/*/COMPLETE")]
     rows = datasets.load_from_disk(str(run / "dataset"))
     assert len(rows) == 5 and max(len(ids) for ids in rows["prompt_ids"]) <= limit
+    passed_over = json.loads((run / "manifest.json").read_text())["prompts_over_max_tokens"]
+    assert 0 <= passed_over <= 3 and (f"passed over {passed_over} prompt(s)" in proc.stdout) == (passed_over > 0)
     # six prompts are short enough: asking for seven is refused before the target loads, naming the key
     proc = draftsmith(*args, "generate.num_prompts=6", cwd=tmp_path)
     assert proc.returncode == 2 and "data.max_prompt_tokens" in proc.stderr, proc.stderr[-800:]
