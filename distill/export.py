@@ -42,11 +42,12 @@ def _report_for(cfg: Config, distill_dir: Path) -> tuple[dict[str, Any] | None, 
             raise DraftsmithError(f"{eval_dir} measured the drafter of {measured}, not of {distill_dir}: pass the "
                                   "evaluate run of this drafter as inputs.evaluate, or leave it empty")
     else:
+        def measured_this(manifest: dict) -> bool:
+            return Path(manifest.get("inputs", {}).get("distill", "")).resolve() == distill_dir.resolve()
+
         try:
-            eval_dir = find_latest(cfg.outputs, "evaluate")
+            eval_dir = find_latest(cfg.outputs, "evaluate", where=measured_this)
         except DraftsmithError:
-            return None, None
-        if Path(read_manifest(eval_dir)["inputs"].get("distill", "")).resolve() != distill_dir.resolve():
             return None, None
     return json.loads((eval_dir / REPORT_JSON).read_text()), eval_dir
 

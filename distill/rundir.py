@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -188,8 +189,9 @@ def require_complete(path: str | Path, stage: str, key: str | None = None) -> Pa
     return path
 
 
-def find_latest(outputs: str | Path, stage: str) -> Path:
-    """The newest finished run folder of ``stage`` under ``outputs`` (pipeline sub-folders included).
+def find_latest(outputs: str | Path, stage: str, where: Callable[[dict], bool] | None = None) -> Path:
+    """The newest finished run folder of ``stage`` under ``outputs`` (pipeline sub-folders included) whose
+    manifest passes ``where`` (if given).
 
     Raises:
         IncompleteRunError: there is none.
@@ -198,10 +200,11 @@ def find_latest(outputs: str | Path, stage: str) -> Path:
     for marker in Path(outputs).glob(f"**/{COMPLETE}"):
         folder = marker.parent
         try:
-            if read_manifest(folder).get("stage") == stage:
-                candidates.append(folder)
+            manifest = read_manifest(folder)
         except (OSError, json.JSONDecodeError):
             continue
+        if manifest.get("stage") == stage and (where is None or where(manifest)):
+            candidates.append(folder)
     if not candidates:
         raise IncompleteRunError(
             f"no finished {stage} run under {outputs}/: run `draftsmith {stage}` first or pass inputs.{stage}=<folder>")

@@ -434,3 +434,21 @@ def test_max_prompt_tokens_passes_over_long_prompts(tmp_path):
     # six prompts are short enough: asking for seven is refused before the target loads, naming the key
     proc = draftsmith(*args, "generate.num_prompts=6", cwd=tmp_path)
     assert proc.returncode == 2 and "data.max_prompt_tokens" in proc.stderr, proc.stderr[-800:]
+
+
+def test_export_finds_the_evaluation_of_its_drafter_among_newer_ones(tiny_run, tmp_path):
+    root, pipeline = tiny_run
+    run = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent
+    out = tmp_path / "outputs"
+    assert draftsmith("distill", "experiment=tiny", f"inputs.generate={run / 'generate'}", "distill.max_steps=1",
+                      f"outputs={out}", cwd=root).returncode == 0
+    [mine] = [p.parent for p in out.glob("distill/*/COMPLETE")]
+    for distill_run in (mine, run / "distill"):  # this drafter's evaluation, then a newer one of another drafter
+        proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={distill_run}", "evaluate.hf_assisted=false",
+                          f"outputs={out}", cwd=root)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = draftsmith("export", "experiment=tiny", f"inputs.distill={mine}", f"outputs={out}", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [export] = [p.parent for p in out.glob("export/*/COMPLETE")]
+    used = Path(json.loads((export / "manifest.json").read_text())["inputs"]["evaluate"])
+    assert json.loads((used / "manifest.json").read_text())["inputs"]["distill"] == str(mine)
