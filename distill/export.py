@@ -59,6 +59,15 @@ def _decoding(decode: dict[str, Any]) -> str:
     return f"{mode}, drafter run as {quantization}" if quantization else mode
 
 
+def _data(info: dict[str, Any]) -> str:
+    data = info.get("training_data")  # absent in drafters distilled before it was recorded
+    if not data:
+        return ""
+    runs = data["generate_runs"]
+    return (f" ({data['train_examples']:,} training examples from {runs} generate run{'s' if runs > 1 else ''}, "
+            f"{data['val_examples']:,} held out for validation)")
+
+
 def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
     """The exported folder's README.md: what the drafter is for and what it measured."""
     lines = [
@@ -67,7 +76,7 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
         f"A drafter for speculative decoding, initialised from `{info['base_name']}` ({info['init']}"
         + (", " + describe_layers(info["num_layers"], info.get("layer_selection") or "first", info.get("layers"))
            if info.get("num_layers") else "") + f") and distilled with draftsmith "
-        f"({info['method']}, loss `{info['loss']}`) on the target's own answers.", "",
+        f"({info['method']}, loss `{info['loss']}`) on the target's own answers{_data(info)}.", "",
         f"Tuned for target `{info['target_name']}` (fingerprint `{info['target_fingerprint']}`). "
         "Use it only with that target: acceptance depends on matching its distributions.", "",
         "```python", "out = target.generate(**inputs, assistant_model=AutoModelForCausalLM.from_pretrained(<this folder>))",

@@ -298,6 +298,7 @@ def _save_run(cfg: Config, run: StageRun, drafter, drafter_tok, target_res: Reso
             reduce_vocabulary(drafter, draft_ids)
     merged = merge_drafter(drafter)
     info = drafter_info(cfg, target_res, base_res)
+    info["training_data"] = {"train_examples": num_train, "val_examples": num_val, "generate_runs": 1 + len(added)}
     final = run_dir / DRAFTER_DIR
     with atomic_dir(final, needed_bytes=_state_bytes(merged)) as tmp:
         save_drafter(merged, tmp)  # the full-vocabulary model (+ draft_vocab.safetensors if reduced)

@@ -78,7 +78,11 @@ def test_export_loads_with_from_pretrained(tiny_run):
     run = Path(proc.stdout.strip().splitlines()[-1]).parent.parent
     exported = run / "export" / "drafter-hf"
     model = AutoModelForCausalLM.from_pretrained(exported)
-    assert "Draft model for `tiny-target`" in (exported / "README.md").read_text()
+    card = (exported / "README.md").read_text()
+    assert "Draft model for `tiny-target`" in card
+    manifest = json.loads((run / "distill" / "manifest.json").read_text())
+    assert f"({manifest['num_train_examples']} training examples from 1 generate run, " \
+           f"{manifest['num_val_examples']} held out for validation)" in card
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)
 
