@@ -66,7 +66,7 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {label} | {_fmt(base.get(key), fmt)} | {_fmt(report.get(key), fmt)} |"
                      + "".join(f" {_fmt(o.get(key), fmt)} |" for o in others.values()))
     if others:
-        lines += ["", "Columns in `code` are other drafters (`evaluate.compare_drafters`: "
+        lines += ["", "The columns after the distilled drafter are other drafters (`evaluate.compare_drafters`: "
                   + ", ".join(f"`{n}`" for n in others) + "), as given (not distilled by this run), measured in "
                   "this run on the same prompts with the same settings and target-alone baseline."]
     val = report.get("distill_validation")
