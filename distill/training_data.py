@@ -28,7 +28,7 @@ def resolve_extra_generate(cfg: Config, main_dir: Path | None = None,
     """The finished generate runs named by ``inputs.extra_generate``, checked against the main run.
 
     With ``main_manifest`` None (pipeline pre-flight, before the main run exists) they are checked
-    against ``target.name`` and ``generate.store_top_k`` instead.
+    against ``target.name`` instead. A different stored k is allowed (:func:`training_examples` cuts).
 
     Raises:
         IncompleteRunError: a folder is missing, unfinished or not a generate run.
