@@ -184,6 +184,7 @@ def train_drafter(
             parameter, or a checkpoint that does not match the run.
         ValueError: an argument out of range.
     """
+    _WARNED.clear()  # once per training run (a multirun sweep runs its jobs in one process)
     spec = LossSpec(loss, jsd_beta, temperature)
     _check_args(spec, lr=lr, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum,
                 max_seq_len=max_seq_len, warmup_steps=warmup_steps, seed=seed,
