@@ -94,6 +94,26 @@ def find_resumable(outputs: Path, key: str, exclude: Path) -> tuple[Path, Path] 
     return run, checkpoint
 
 
+def named_checkpoint(mode: str) -> Path | None:
+    """The checkpoint that ``distill.resume=<folder>`` names; None for ``auto`` and ``never``.
+
+    Called before data and models load as well, so a wrong folder is refused in seconds.
+
+    Raises:
+        ConfigError: the folder is neither a complete ``checkpoint-<step>`` nor a distill run with one.
+    """
+    if mode in ("auto", "never"):
+        return None
+    path = Path(mode)
+    checkpoint = path if (path / STATE_FILE).is_file() else latest_checkpoint(path / CHECKPOINTS)
+    if checkpoint is None:
+        hint = (" (distill.resume=auto continues the newest unfinished run of the same settings)"
+                if mode.lower() in ("true", "yes", "on", "1") else "")
+        raise ConfigError(f"distill.resume={mode}: not a checkpoint-<step> folder nor a distill run with "
+                          f"checkpoints; use auto, never, or a folder holding {STATE_FILE}{hint}")
+    return checkpoint
+
+
 def prepare_resume(cfg: Config, run_dir: Path, key: str) -> tuple[Path | None, dict]:
     """Record ``key`` in ``run_dir`` and pick the checkpoint to resume from, per ``distill.resume``.
 
@@ -110,11 +130,7 @@ def prepare_resume(cfg: Config, run_dir: Path, key: str) -> tuple[Path | None, d
     if mode == "never":
         return None, {}
     if mode != "auto":
-        path = Path(mode)
-        checkpoint = path if (path / STATE_FILE).is_file() else latest_checkpoint(path / CHECKPOINTS)
-        if checkpoint is None:
-            raise ConfigError(f"distill.resume={mode}: not a checkpoint-<step> folder nor a distill run with "
-                              f"checkpoints; use auto, never, or a folder holding {STATE_FILE}")
+        checkpoint = named_checkpoint(mode)
         return checkpoint, {"resumed_from": str(checkpoint)}
     found = find_resumable(Path(cfg.outputs), key, run_dir)
     if found is None:

@@ -27,7 +27,7 @@ from distill.errors import ConfigError, DraftsmithError, TokenizerMismatchError
 from distill.generate import load_generated
 from distill.models import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
 from distill.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
-from distill.resume import hold_lock, prepare_resume, resume_key
+from distill.resume import hold_lock, named_checkpoint, prepare_resume, resume_key
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
 from distill.tracking import NullLogger, make_logger, run_name
 from distill.train import train_drafter
@@ -194,6 +194,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=bf16 or no")
     check_qlora(cfg)
     check_layers_exist(cfg)
+    named_checkpoint(d.resume)  # a wrong distill.resume folder is refused before data and models load
     # Several launched processes (distill/parallel.py): all train, only the main one writes the run folder.
     main = parallel.is_main()
     gen_dir = parallel.from_main(lambda: resolve_input(cfg.inputs.generate, cfg.outputs, "generate"))

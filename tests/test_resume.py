@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from distill.resume import RESUME_KEY, find_resumable, hold_lock, latest_checkpoint, resume_key
+from distill.errors import ConfigError
+from distill.resume import RESUME_KEY, find_resumable, hold_lock, latest_checkpoint, named_checkpoint, resume_key
+from distill.train_stage import run_distill
 from distill.rundir import COMPLETE
 from distill.train import STATE_FILE
 from tests.test_config import _compose
@@ -63,6 +65,20 @@ def test_latest_checkpoint_needs_the_state_file(tmp_path):
     (tmp_path / "r" / "checkpoints" / "checkpoint-30").mkdir()  # half-written: no state file
     assert latest_checkpoint(tmp_path / "r" / "checkpoints").name == "checkpoint-20"
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_a_named_resume_folder_without_a_checkpoint_is_refused_before_any_work(tmp_path):
+    run = _fake_run(tmp_path, "r", "k", steps=(5, 20))
+    assert named_checkpoint(str(run)).name == "checkpoint-20"
+    assert named_checkpoint(str(run / "checkpoints" / "checkpoint-5")).name == "checkpoint-5"
+    assert named_checkpoint("auto") is None and named_checkpoint("never") is None
+    with pytest.raises(ConfigError, match="distill.resume=auto continues"):
+        named_checkpoint("true")
+    # run_distill refuses it before it reads data or loads a model: no run folder is made
+    cfg = _compose("experiment=tiny", f"distill.resume={tmp_path / 'missing'}", f"outputs={tmp_path / 'out'}")
+    with pytest.raises(ConfigError, match="not a checkpoint-<step> folder"):
+        run_distill(cfg, tmp_path / "out" / "distill" / "x")
+    assert not (tmp_path / "out").exists()
 
 
 def _losses(run: Path) -> list[float]:
