@@ -98,10 +98,15 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
 
     Raises:
         TokenizerMismatchError: the tokenizers differ (after ``check.json`` records what differs).
-        ConfigError: a bad drafter config.
+        ConfigError: a bad drafter config, or fewer prompts than ``check.num_prompts`` (within
+            ``data.max_prompt_tokens``).
     """
     c = cfg.check
     check_layers_exist(cfg)
+    # the prompts come first (the target's tokenizer is enough): too few is refused before any model loads
+    _, held_out = split_prompts(load_prompts(cfg.data.source, cfg.data.path), num_train=0,
+                                num_eval=c.num_prompts, seed=cfg.data.seed, keep=prompt_length_limit(cfg),
+                                counts="check.num_prompts")
     run = StageRun.start("check", run_dir, config_yaml, inputs={})
     target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
     drafter, drafter_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)
@@ -119,8 +124,6 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             f"target {cfg.target.name!r} and drafter {cfg.drafter.name!r} cannot be paired: {why} "
             f"(written to {run_dir / CHECK_JSON}); pick a drafter from the target's family")
 
-    _, held_out = split_prompts(load_prompts(cfg.data.source, cfg.data.path), num_train=0,
-                                num_eval=c.num_prompts, seed=cfg.data.seed, keep=prompt_length_limit(cfg))
     prompts = [encode_prompt(tokenizer, p) for p in held_out]
     quantization = resolve_quantization(cfg.decode.drafter_quantization, target.device)
     runner = quantize_drafter(drafter, quantization)

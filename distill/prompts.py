@@ -288,7 +288,8 @@ def _prompt_from_record(record, path: Path, number: int) -> Prompt:
 
 
 def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: int,
-                  seed: int, keep: Callable[[Prompt], bool] | None = None) -> tuple[list[Prompt], list[Prompt]]:
+                  seed: int, keep: Callable[[Prompt], bool] | None = None,
+                  counts: str = "generate.num_prompts, evaluate.num_prompts") -> tuple[list[Prompt], list[Prompt]]:
     """Deterministic, disjoint train/eval split.
 
     Prompts are ordered by sha256(seed, id), so the order does not depend on
@@ -298,7 +299,8 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
     the next ``num_train`` of the rest (None: all of it), hence growing
     ``num_train`` never changes the eval set. ``keep`` (e.g. a length limit) is
     asked only about prompts reached in that order, so a large source is not
-    scanned whole; prompts it refuses are passed over.
+    scanned whole; prompts it refuses are passed over. ``counts`` names the
+    config keys that set the counts, for the error message.
 
     Raises:
         ConfigError: negative counts, or more prompts requested than available (and kept).
@@ -319,7 +321,7 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
     if wanted > len(ordered):
         raise ConfigError(
             f"Asked for {num_eval} eval + {num_train} train prompts but only {len(ordered)} distinct "
-            f"prompts are available; lower the counts (generate.num_prompts, evaluate.num_prompts) or "
+            f"prompts are available; lower the counts ({counts}) or "
             f"use a larger source (data.source=sharegpt)."
         )
     verdicts: dict[str, bool] = {}
@@ -354,7 +356,7 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
         raise ConfigError(
             f"Asked for {num_eval} eval + {num_train} train prompts but only {len(eval_set) + len(train_set)} of "
             f"the {len(ordered)} distinct prompts pass the length limit ({refused} are longer than "
-            f"data.max_prompt_tokens): raise data.max_prompt_tokens or lower the counts.")
+            f"data.max_prompt_tokens): raise data.max_prompt_tokens or lower the counts ({counts}).")
     return train_set, eval_set
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distill import check as check_module
-from distill.errors import TokenizerMismatchError
+from distill.errors import ConfigError, TokenizerMismatchError
 from distill.rundir import COMPLETE
 from tests.test_config import _compose
 from tests.test_pipeline import draftsmith
@@ -41,6 +41,17 @@ def test_check_records_what_differs_and_refuses(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "check.json").read_text())
     assert result["tokenizers_compatible"] is False and "eos differs" in result["tokenizer_detail"]
     assert not (tmp_path / COMPLETE).exists()
+
+
+def test_too_few_prompts_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(check_module, "load_model", no_load)
+    cfg = _compose("experiment=tiny", "check.num_prompts=100000")
+    with pytest.raises(ConfigError, match=r"lower the counts \(check.num_prompts\)"):
+        check_module.run_check(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_top1_agreement():
