@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from distill.models import eos_token_ids, load_model, resolve_model
 from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, atomic_dir, write_text_atomic
 from distill.tracking import make_logger, run_name
+
+log = logging.getLogger(__name__)
 
 DATASET_DIR = "dataset"
 EVAL_PROMPTS = "eval_prompts.jsonl"
@@ -68,6 +71,10 @@ def prompt_length_limit(cfg: Config) -> Callable[[Prompt], bool] | None:
     or None without a limit. Loads the target's tokenizer only."""
     limit = cfg.data.max_prompt_tokens
     if limit is None:
+        if cfg.data.source == "sharegpt":  # data=sharegpt sets 512; data.source=sharegpt on another group does not
+            log.warning("data.source=sharegpt without data.max_prompt_tokens: ShareGPT prompts of thousands of "
+                        "tokens pad their whole generate batch to their length; data=sharegpt (or "
+                        "data.max_prompt_tokens=512) passes them over")
         return None
     from transformers import AutoTokenizer
 

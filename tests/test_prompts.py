@@ -265,3 +265,20 @@ def test_eval_split_is_stratified_by_source():
     assert not {p.id for p in train} & {p.id for p in held_out}
     # growing the training set leaves the eval set alone
     assert split_prompts(prompts, num_train=20, num_eval=6, seed=0)[1] == held_out
+
+
+def test_sharegpt_without_a_length_limit_is_warned_about(caplog):
+    from distill.generate import prompt_length_limit
+    from tests.test_config import _compose
+
+    with caplog.at_level("WARNING", logger="distill.generate"):
+        assert prompt_length_limit(_compose("experiment=tiny", "data.source=sharegpt")) is None
+    assert "data.max_prompt_tokens=512" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distill.generate"):
+        assert prompt_length_limit(_compose("experiment=tiny", "data.source=mtbench")) is None
+        limited = prompt_length_limit(_compose("experiment=tiny", "data.source=sharegpt", "data.max_prompt_tokens=8"))
+    assert caplog.text == ""
+    short = Prompt(id="a", source="sharegpt", category="sharegpt", messages=[{"role": "user", "content": "hi"}])
+    long = Prompt(id="b", source="sharegpt", category="sharegpt", messages=[{"role": "user", "content": "word " * 50}])
+    assert not limited(long) and limited(short) == (len(encode_prompt(tiny_tokenizer(), short)) <= 8)
