@@ -151,6 +151,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         "engine": f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
         if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA",
         "prompt_ids": [p[0] for p in prompts],
+        "distill_inputs": read_manifest(distill_dir).get("inputs", {}),  # the generate runs it was trained on
     })
     report["notes"] = [
         "mean_accepted_tokens: tokens emitted per target forward = accepted draft tokens + 1 "

@@ -47,6 +47,19 @@ def _fmt(value: Any, fmt: str) -> str:
         return str(value)
 
 
+def _training_data(report: dict[str, Any]) -> list[str]:
+    """A sentence naming the generate runs the drafter was distilled on (absent in older reports)."""
+    inputs = report.get("distill_inputs") or {}
+    runs = [inputs["generate"]] + list(inputs.get("extra_generate") or []) if inputs.get("generate") else []
+    if not runs:
+        return []
+    data = (report.get("drafter") or {}).get("training_data") or {}
+    count = f"{data['train_examples']:,} examples from " if data.get("train_examples") is not None else ""
+    return [f"Distilled on {count}" + ", ".join(f"`{short_name(r)}`" for r in runs)
+            + (" (`inputs.extra_generate` added the later runs; the evaluation prompts are the first run's "
+               "held-out prompts)" if len(runs) > 1 else "") + ".", ""]
+
+
 def render_report_markdown(report: dict[str, Any]) -> str:
     """A Markdown page: the before/after table, HF assisted baseline, per-category and per-position figures."""
     base = report.get("baseline_drafter") or {}
@@ -58,6 +71,7 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         f"Engine: {report.get('engine')}; drafter run as "
         f"{(report.get('decode') or {}).get('drafter_quantization_used', 'stored')}.", "",
     ]
+    lines += _training_data(report)
     # evaluate.compare_drafters: other (untrained) drafters measured in the same run, one column each
     others = report.get("compared_drafters") or {}
     lines += ["| figure | undistilled drafter | distilled drafter |" + "".join(f" `{short_name(n)}` |" for n in others),

@@ -71,3 +71,14 @@ def test_training_plot_draws_the_validation_curve(tmp_path):
         if (tmp_path / "plots").mkdir() is None else []
     assert (tmp_path / "plots" / "training.png") in written
     assert (tmp_path / "plots" / "training.png").stat().st_size > 1000
+
+
+def test_the_generate_runs_trained_on_are_named():
+    report = _report()
+    assert "Distilled on" not in render_report_markdown(report)  # older reports: no sentence
+    report["distill_inputs"] = {"generate": "/o/generate/run-a"}
+    report["drafter"]["training_data"] = {"train_examples": 1200, "val_examples": 40, "generate_runs": 1}
+    assert "Distilled on 1,200 examples from `generate/run-a`." in render_report_markdown(report)
+    report["distill_inputs"]["extra_generate"] = ["/o/generate/run-b"]
+    text = render_report_markdown(report)
+    assert "Distilled on 1,200 examples from `generate/run-a`, `generate/run-b` (`inputs.extra_generate`" in text
