@@ -56,8 +56,7 @@ def _training_data(report: dict[str, Any]) -> list[str]:
     data = (report.get("drafter") or {}).get("training_data") or {}
     count = f"{data['train_examples']:,} examples from " if data.get("train_examples") is not None else ""
     return [f"Distilled on {count}" + ", ".join(f"`{short_name(r)}`" for r in runs)
-            + (" (`inputs.extra_generate` added the later runs; the evaluation prompts are the first run's "
-               "held-out prompts)" if len(runs) > 1 else "") + ".", ""]
+            + (" (`inputs.extra_generate` added the later runs)" if len(runs) > 1 else "") + ".", ""]
 
 
 def render_report_markdown(report: dict[str, Any]) -> str:
