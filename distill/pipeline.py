@@ -23,6 +23,7 @@ from distill.export import EXPORT_DIR, check_export_destination, run_export
 from distill.generate import run_generate
 from distill.models import resolve_model
 from distill.report import write_report_markdown
+from distill.resume import named_checkpoint
 from distill.rundir import read_manifest, write_json_atomic
 from distill.train_stage import check_layers_exist, check_qlora, check_tokenizers, run_distill
 from distill.training_data import resolve_extra_generate
@@ -42,7 +43,8 @@ def preflight(cfg: Config, export_run: Path) -> None:
 
     Raises:
         ConfigError: fp16 training or QLoRA without CUDA; stored target log-probs that generate
-            would not store; an ``inputs.extra_generate`` run of another target or without them.
+            would not store; an ``inputs.extra_generate`` run of another target or without them; a
+            ``distill.resume`` folder without a checkpoint.
         IncompleteRunError: an ``inputs.extra_generate`` folder is not a finished generate run.
         DraftsmithError: the export destination is taken.
         TokenizerMismatchError: target and drafter cannot share tokens (tokenizers only, no weights loaded).
@@ -60,6 +62,7 @@ def preflight(cfg: Config, export_run: Path) -> None:
     check_tokenizers(target, drafter, cfg.target.name, cfg.drafter.name)
     check_layers_exist(cfg)
     resolve_extra_generate(cfg)  # inputs.extra_generate: finished, same target, stored top-k where needed
+    named_checkpoint(cfg.distill.resume)  # distill.resume=<folder>: a checkpoint is there
     for name in cfg.evaluate.compare_drafters:  # evaluate.compare_drafters: resolvable, same tokens
         other = AutoTokenizer.from_pretrained(resolve_model(name).path)
         check_tokenizers(target, other, cfg.target.name, name)

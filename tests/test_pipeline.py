@@ -219,7 +219,8 @@ def test_pipeline_preflight_refuses_before_generating(tmp_path):
 
 def test_pipeline_refuses_layers_the_base_model_lacks_before_generating(tmp_path):
     for override, says in (("drafter.layers=[0,7]", "decoder layers 0..1"), ("drafter.num_layers=5", "at most 2"),
-                           ("evaluate.compare_drafters=[no-such-drafter]", "no-such-drafter")):
+                           ("evaluate.compare_drafters=[no-such-drafter]", "no-such-drafter"),
+                           (f"distill.resume={tmp_path}/nothing", "not a checkpoint-<step> folder")):
         proc = draftsmith("pipeline", "experiment=tiny", override, f"outputs={tmp_path}/outputs", cwd=tmp_path)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-500:]
         assert "[1/4]" not in proc.stdout
