@@ -202,6 +202,68 @@ def test_validate_restores_mode_and_counts_tokens(target, examples):
     assert drafter.training
 
 
+def _folder_bytes(path):
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("make", ["full", "lora"])
+def test_checkpoint_bytes_matches_the_folder_written(make, target, examples, tmp_path):
+    from distill.train import checkpoint_bytes
+
+    drafter = _sibling() if make == "full" else _lora_cut(target)
+    estimate = checkpoint_bytes(drafter)
+    train_drafter(drafter, target, examples, max_steps=1, batch_size=2, output_dir=tmp_path, progress=False)
+    written = _folder_bytes(tmp_path / "checkpoint-1")
+    assert 0.9 * written < estimate < 1.1 * written, (estimate, written)
+
+
+def test_too_little_disk_for_one_checkpoint_is_refused_before_training(target, examples, tmp_path, monkeypatch):
+    import collections
+
+    from distill import train as train_module
+    from distill.errors import DiskFullError
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(train_module.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
+    with pytest.raises(DiskFullError, match=r"training checkpoint at .*: one takes about .* GiB .*outputs="):
+        train_drafter(_sibling(), target, examples, max_steps=4, batch_size=2, output_dir=tmp_path, progress=False)
+    assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("*checkpoint*"))
+
+
+def test_disk_that_holds_fewer_checkpoints_than_kept_warns(target, examples, tmp_path, monkeypatch, caplog):
+    import collections
+
+    from distill import train as train_module
+
+    size = train_module.checkpoint_bytes(_sibling())
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(train_module.shutil, "disk_usage", lambda path: usage(10**12, 0, int(1.5 * size)))
+    with caplog.at_level("WARNING", logger="distill.train"):
+        train_drafter(_sibling(), target, examples, max_steps=4, batch_size=2, output_dir=tmp_path,
+                      progress=False, checkpoint_every=1, keep_checkpoints=2)
+    assert "holds 1 of the 3 checkpoints" in caplog.text and "distill.keep_checkpoints" in caplog.text
+
+
+def test_torch_short_write_is_reported_as_disk_full(target, examples, tmp_path, monkeypatch):
+    # the form torch.save took when the disk filled on 2026-11-30 (no "No space left" in it)
+    from distill import train as train_module
+    from distill.errors import DiskFullError
+
+    real_save, calls = train_module.torch.save, {"n": 0}
+
+    def save(obj, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2266342464 vs 2266342356")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(train_module.torch, "save", save)
+    with pytest.raises(DiskFullError, match=r"checkpoint-4 .*earlier checkpoints in .* are intact"):
+        train_drafter(_sibling(), target, examples, max_steps=6, batch_size=2, output_dir=tmp_path,
+                      progress=False, checkpoint_every=2)
+    assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()
+
+
 def test_disk_full_during_a_checkpoint_keeps_the_earlier_ones(target, examples, tmp_path, monkeypatch):
     from distill import train as train_module
     from distill.errors import DiskFullError
