@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, Sampler
 from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out_of_memory_bytes
 from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
 from distill.reduced_vocab import draft_vocabulary_of, restrict_logits
+from distill.rundir import require_free_space
 
 log = logging.getLogger(__name__)
 
@@ -810,16 +811,13 @@ def _check_checkpoint_space(drafter: torch.nn.Module, output_dir: Path, *, start
     Raises:
         DiskFullError: less free space at ``output_dir`` than one checkpoint takes.
     """
-    steps = set(range(start_step + checkpoint_every, max_steps + 1, checkpoint_every)) if checkpoint_every else set()
-    to_write = len(steps | ({max_steps} if max_steps > start_step else set()))
+    to_write = sum(1 for step in range(start_step + 1, max_steps + 1)  # as the training loop decides
+                   if (checkpoint_every and step % checkpoint_every == 0) or step == max_steps)
     if not to_write:
         return
     size, free = checkpoint_bytes(drafter), shutil.disk_usage(output_dir).free
     peak = to_write if not keep else min(to_write, keep + 1)
-    if free < size:
-        raise DiskFullError(f"not enough disk space for a training checkpoint at {output_dir}: one takes about "
-                            f"{size / 2**30:.2f} GiB (weights + optimizer state), {free / 2**30:.2f} GiB free; "
-                            f"free some space or point outputs= to another disk")
+    require_free_space(output_dir, size, "a training checkpoint (weights + optimizer state)")
     if free < peak * size:
         log.warning("%.2f GiB free at %s holds %d of the %d checkpoints of about %.2f GiB each that this run keeps "
                     "at once (distill.keep_checkpoints=%d keeps up to %d while the next is written): the run will "
