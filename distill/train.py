@@ -183,6 +183,8 @@ def train_drafter(
     Raises:
         DraftsmithError: non-finite loss (names the step), no usable example, no trainable
             parameter, or a checkpoint that does not match the run.
+        DiskFullError: the disk cannot hold one checkpoint (before training), or filled up while
+            one was written (the earlier checkpoints are intact).
         ValueError: an argument out of range.
     """
     _WARNED.clear()  # once per training run (a multirun sweep runs its jobs in one process)
@@ -199,9 +201,10 @@ def train_drafter(
                  weight_decay=weight_decay, seed=seed, resume_from=resume_from, pad_token_id=pad_token_id,
                  mixed_precision=mixed_precision)
     accelerator, drafter, optimizer, scheduler = run.accelerator, run.drafter, run.optimizer, run.scheduler
-    if accelerator.is_main_process:
-        _check_checkpoint_space(accelerator.unwrap_model(drafter), output_dir, start_step=run.start_step,
-                                max_steps=max_steps, checkpoint_every=checkpoint_every, keep=keep_checkpoints)
+    # every process checks (a refusal on the main one alone would leave the others waiting for it)
+    _check_checkpoint_space(accelerator.unwrap_model(drafter), output_dir, start_step=run.start_step,
+                            max_steps=max_steps, checkpoint_every=checkpoint_every, keep=keep_checkpoints,
+                            warn=accelerator.is_main_process)
     result: dict[str, Any] = {}
     before: dict | None = None
     val_args = dict(loss=loss, jsd_beta=jsd_beta, temperature=temperature, batch_size=batch_size,
@@ -802,7 +805,7 @@ def checkpoint_bytes(drafter: torch.nn.Module) -> int:
 
 
 def _check_checkpoint_space(drafter: torch.nn.Module, output_dir: Path, *, start_step: int, max_steps: int,
-                            checkpoint_every: int, keep: int) -> None:
+                            checkpoint_every: int, keep: int, warn: bool = True) -> None:
     """Refuse before training if the disk cannot hold one checkpoint; warn if it cannot hold the peak.
 
     A new checkpoint is written before older ones are pruned, so ``keep`` kept checkpoints need room
@@ -818,7 +821,7 @@ def _check_checkpoint_space(drafter: torch.nn.Module, output_dir: Path, *, start
     size, free = checkpoint_bytes(drafter), shutil.disk_usage(output_dir).free
     peak = to_write if not keep else min(to_write, keep + 1)
     require_free_space(output_dir, size, "a training checkpoint (weights + optimizer state)")
-    if free < peak * size:
+    if warn and free < peak * size:
         log.warning("%.2f GiB free at %s holds %d of the %d checkpoints of about %.2f GiB each that this run keeps "
                     "at once (distill.keep_checkpoints=%d keeps up to %d while the next is written): the run will "
                     "stop when the disk fills; lower distill.keep_checkpoints or raise distill.checkpoint_every",
