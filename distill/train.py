@@ -785,10 +785,11 @@ def checkpoint_bytes(drafter: torch.nn.Module) -> int:
 
     The saved weights (the whole state dict, tied tensors once; a peft model saves only its trainable
     adapter) plus the AdamW state (two tensors per trainable parameter, ``exp_avg`` and ``exp_avg_sq``)
-    plus the small files. Within a few percent of the files written (a 20-layer pruned 0.5B, full fine-tune: 3.95 GiB
-    estimated and written).
+    plus the small files. Within a few percent of the files written (a 20-layer pruned 0.5B, full
+    fine-tune: 3.95 GiB estimated and written).
     """
-    trainable = sum(p.numel() * p.element_size() for p in drafter.parameters() if p.requires_grad)
+    trained = [p for p in drafter.parameters() if p.requires_grad]
+    trainable = sum(p.numel() * p.element_size() for p in trained)
     if hasattr(drafter, "peft_config"):
         weights = trainable
     else:
@@ -799,9 +800,8 @@ def checkpoint_bytes(drafter: torch.nn.Module) -> int:
             if key not in seen:
                 seen.add(key)
                 weights += tensor.numel() * tensor.element_size()
-    tensors = sum(1 for p in drafter.parameters() if p.requires_grad)
     # ~1 KiB per saved optimizer entry and 16 KiB of config, README and state files: only tiny models notice
-    return weights + 2 * trainable + 1024 * tensors + 16 * 1024
+    return weights + 2 * trainable + 1024 * len(trained) + 16 * 1024
 
 
 def _check_checkpoint_space(drafter: torch.nn.Module, output_dir: Path, *, start_step: int, max_steps: int,
