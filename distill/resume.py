@@ -11,7 +11,9 @@ checkpoint with the same optimizer state and data order
 (``distill.train.train_drafter(resume_from=...)``). The new run's ``log.jsonl``
 starts with the old run's records up to that checkpoint, and the rest of the old
 run folder (config, logs) moves to ``<new run>/attempts/<old name>``, so no dead
-folder is left among the runs.
+folder is left among the runs. ``distill.resume=<run or checkpoint folder>`` leaves
+that folder where it is (it may be a finished run) and copies its curves
+(``metrics.jsonl``, ``validation.jsonl``, ``log.jsonl``) up to the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 from distill.config import Config
 from distill.errors import ConfigError
 from distill.rundir import COMPLETE, write_json_atomic
-from distill.train import STATE_FILE
+from distill.train import METRICS_FILE, STATE_FILE, VALIDATION_FILE
 
 RESUME_KEY = "resume_key.json"
 LOCK = ".distill.lock"  # held while a run trains: a live run's checkpoints are never taken over
@@ -131,6 +134,7 @@ def prepare_resume(cfg: Config, run_dir: Path, key: str) -> tuple[Path | None, d
         return None, {}
     if mode != "auto":
         checkpoint = named_checkpoint(mode)
+        _copy_history(checkpoint, run_dir)
         return checkpoint, {"resumed_from": str(checkpoint)}
     found = find_resumable(Path(cfg.outputs), key, run_dir)
     if found is None:
@@ -151,6 +155,27 @@ def prepare_resume(cfg: Config, run_dir: Path, key: str) -> tuple[Path | None, d
     print(f"distill: resuming {old_run} from {checkpoint.name} (its checkpoints moved to {target}, "
           f"the rest of it to {kept})")
     return target / checkpoint.name, {"resumed_from": str(target / checkpoint.name), "resumed_run": str(kept)}
+
+
+def _copy_history(checkpoint: Path, run_dir: Path) -> None:
+    """Start ``run_dir``'s curves with those of the run that wrote ``checkpoint`` (``distill.resume=<folder>``).
+
+    The named run is left as it was (it may be finished and still in use), so its per-step and
+    validation records and its log are copied, not moved; training keeps those up to the
+    checkpoint's step (``distill.train._restart_metrics``), so the new run holds the whole curve.
+    """
+    old_checkpoints = checkpoint.parent
+    new_checkpoints = run_dir / CHECKPOINTS
+    if old_checkpoints.resolve() == new_checkpoints.resolve():
+        return
+    step = int(checkpoint.name.split("-", 1)[1]) if checkpoint.name.split("-", 1)[-1].isdigit() else None
+    if step is None:
+        return
+    new_checkpoints.mkdir(parents=True, exist_ok=True)
+    for name in (METRICS_FILE, VALIDATION_FILE):
+        if (old_checkpoints / name).is_file() and not (new_checkpoints / name).exists():
+            shutil.copyfile(old_checkpoints / name, new_checkpoints / name)
+    _continue_log(old_checkpoints.parent / LOG, run_dir / LOG, step)
 
 
 def _continue_log(old: Path, new: Path, step: int) -> None:

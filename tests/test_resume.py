@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from distill.errors import ConfigError
-from distill.resume import RESUME_KEY, find_resumable, hold_lock, latest_checkpoint, named_checkpoint, resume_key
+from distill.resume import (RESUME_KEY, find_resumable, hold_lock, latest_checkpoint, named_checkpoint, prepare_resume,
+                            resume_key)
 from distill.train_stage import run_distill
 from distill.rundir import COMPLETE
 from distill.train import STATE_FILE
@@ -58,6 +59,23 @@ def test_find_resumable_picks_the_newest_unfinished_run_with_the_key(tmp_path):
         assert find_resumable(tmp_path, "k1", exclude=tmp_path / "new")[0] == tmp_path / "a"
     finally:
         lock.close()
+
+
+def test_a_named_run_folder_lends_its_curves_and_stays_intact(tmp_path):
+    old = _fake_run(tmp_path, "old", "k1", steps=(5, 10), complete=True)
+    for name in ("metrics.jsonl", "validation.jsonl"):
+        (old / "checkpoints" / name).write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n"
+                                                        for s in (1, 5, 10, 12)))
+    (old / "log.jsonl").write_text(json.dumps({"step": 10, "loss": 0.1}) + "\n" + json.dumps({"summary": 1}) + "\n")
+    new = tmp_path / "new"
+    new.mkdir()
+    cfg = _compose("experiment=tiny", f"distill.resume={old}", f"outputs={tmp_path}")
+    checkpoint, facts = prepare_resume(cfg, new, "k1")
+    assert checkpoint == old / "checkpoints" / "checkpoint-10" and facts["resumed_from"] == str(checkpoint)
+    for name in ("metrics.jsonl", "validation.jsonl"):  # copied whole; training keeps the steps <= 10
+        assert (new / "checkpoints" / name).read_text() == (old / "checkpoints" / name).read_text()
+    assert [json.loads(line) for line in (new / "log.jsonl").read_text().splitlines()] == [{"step": 10, "loss": 0.1}]
+    assert (old / COMPLETE).exists() and (old / "checkpoints" / "checkpoint-10" / STATE_FILE).exists()
 
 
 def test_latest_checkpoint_needs_the_state_file(tmp_path):
