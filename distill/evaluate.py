@@ -25,7 +25,7 @@ from distill.errors import DraftsmithError
 from distill.generate import load_generated
 from distill.models import eos_token_ids, load_model
 from distill.prompts import encode_prompt
-from distill.reduced_vocab import load_drafter
+from distill.reduced_vocab import draft_vocabulary_of, load_drafter, reduce_vocabulary
 from distill.report import write_report_markdown, write_report_plots
 from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
 from distill.tracking import make_logger, run_name
@@ -115,6 +115,10 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         # the drafter this run started from (its drafter_info), not whatever drafter.* says now
         base, base_tok, _ = initial_drafter(_as_distilled(cfg, info), dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
+        draft_vocab = draft_vocabulary_of(tuned)
+        if draft_vocab is not None:
+            # the same reduced head (rows of the untrained head): before vs after differs by training alone
+            reduce_vocabulary(base, draft_vocab.clone())
         base.eval()
     others = {}
     for name in cfg.evaluate.compare_drafters:  # loaded up front too, for the same reason
@@ -134,6 +138,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         print("evaluate: undistilled drafter on the same prompts")
         report["baseline_drafter"] = benchmark(target, quantize_drafter(base, quantization), prompts,
                                                hf_assisted=False, target_outputs=alone, **settings)
+        if draft_vocab is not None:
+            report["baseline_drafter"]["draft_vocab_size"] = int(draft_vocab.numel())
         del base
     if others:
         report["compared_drafters"] = {}

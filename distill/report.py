@@ -78,6 +78,9 @@ def render_report_markdown(report: dict[str, Any]) -> str:
     for label, key, fmt in _ROWS:
         lines.append(f"| {label} | {_fmt(base.get(key), fmt)} | {_fmt(report.get(key), fmt)} |"
                      + "".join(f" {_fmt(o.get(key), fmt)} |" for o in others.values()))
+    if base.get("draft_vocab_size"):
+        lines += ["", f"The undistilled drafter uses the distilled one's {base['draft_vocab_size']:,}-token draft "
+                  "vocabulary (the same rows of its untrained head), so the two columns differ by training alone."]
     if others:
         lines += ["", "The columns after the distilled drafter are other drafters (`evaluate.compare_drafters`: "
                   + ", ".join(f"`{n}`" for n in others) + "), as given (not distilled by this run), measured in "
