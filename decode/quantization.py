@@ -3,9 +3,23 @@
 The drafter's precision never changes the output of speculative decoding (the
 target decides every token), only how often its drafts are accepted and how
 much each costs. On CPUs int8 dynamic quantization (int8 weights, activations
-quantized per batch on the fly, fbgemm/onednn kernels) makes a 1-token drafter
-forward about 3x faster than bf16: measured 18 ms vs 55 ms for
-Qwen2.5-Coder-0.5B on 2 EPYC cores (torch 2.13). The target is never quantized.
+quantized on the fly, fbgemm/onednn kernels) makes a 1-token drafter forward
+about 3x faster than bf16: measured 18 ms vs 55 ms for Qwen2.5-Coder-0.5B on 2
+EPYC cores (torch 2.13). The target is never quantized.
+
+Two choices keep the int8 drafter close to the bf16 one. Activations are quantized
+**per token** (:class:`PerTokenDynamicLinear`), not per call as torch's dynamic
+``Linear`` does: Qwen-style models carry a few "massive activations" (Sun et al.
+2024, "Massive Activations in Large Language Models") on the first token and some
+delimiters, and one scale for a whole multi-token forward (the prompt prefill)
+crushes every other token of the prompt to a few int8 levels. Weights are
+quantized **per output channel**, not per tensor. Measured on the shipped 0.5B
+drafter, teacher-forced top-1 agreement with the 1.5B target's greedy answers to
+22 held-out prompts (6 of the default evaluation set, 16 unseen ShareGPT) and the
+cost of a 1-token forward (2 cores): bf16 0.829 (56 ms); torch's int8 (per-tensor
+weights and activations) 0.783 (23 ms); per-token activations 0.799 (23 ms); both
+per-token and per-channel 0.821 (23.5 ms). Chat prompts gain the most (0.743 ->
+0.794, bf16 0.802).
 """
 
 from __future__ import annotations
@@ -16,6 +30,33 @@ import warnings
 import torch
 
 QUANTIZATIONS = ("auto", "none", "int8-dynamic")
+
+
+class PerTokenDynamicLinear(torch.ao.nn.quantized.dynamic.Linear):
+    """torch's dynamic int8 ``Linear`` with one activation scale per token instead of one per call.
+
+    ``linear_dynamic`` quantizes its whole input ``(..., tokens, in_features)`` with a single
+    scale. Dividing each token's row by its own max-abs ``s`` first makes that shared scale fit
+    every row, and the output row is multiplied back: ``y = s * (W (x / s)) + b``, exact in real
+    arithmetic because the layer is linear. For one token it is the plain layer up to float
+    rounding; the cost is a few elementwise ops on ``(tokens, in_features)``.
+    """
+
+    _float_bias: torch.Tensor | None = None
+
+    def _get_name(self) -> str:  # how print(model) names it
+        return "PerTokenDynamicQuantizedLinear"
+
+    def set_weight_bias(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        super().set_weight_bias(w, b)
+        self._float_bias = None if b is None else b.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+        y = super().forward(x / scale)
+        if self._float_bias is None:
+            return y * scale
+        return (y - self._float_bias) * scale + self._float_bias
 
 
 def resolve_quantization(mode: str, device: torch.device) -> str:
@@ -31,8 +72,9 @@ def quantize_drafter(model, mode: str):
     ``auto`` means ``int8-dynamic`` on CPU and ``none`` elsewhere.
 
     ``int8-dynamic`` copies the model to float32 and replaces every
-    ``nn.Linear`` (the LM head included) by ``torch.ao`` dynamic int8
-    quantized linear layers; embeddings and norms stay float32. The original
+    ``nn.Linear`` (the LM head included) by :class:`PerTokenDynamicLinear`
+    (``torch.ao`` dynamic int8, weights per output channel, activations per
+    token); embeddings and norms stay float32. The original
     model is left untouched (it is still needed for export and baselines).
 
     Args:
@@ -59,4 +101,6 @@ def quantize_drafter(model, mode: str):
         # torch 2.13 marks torch.ao.quantization deprecated in favour of torchao; its eager dynamic
         # quantization is still the fastest int8 path on CPU without torch.compile.
         warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(quantized, {torch.nn.Linear}, dtype=torch.qint8)
+        return torch.ao.quantization.quantize_dynamic(
+            quantized, {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8,
+            mapping={torch.nn.Linear: PerTokenDynamicLinear})
