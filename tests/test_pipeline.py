@@ -320,6 +320,24 @@ def test_layer_choice_script_scores_candidate_layers(tmp_path):
     assert bad.returncode == 2 and "0..1" in bad.stderr
 
 
+def test_drafter_quantization_script_scores_the_variants(tmp_path):
+    out = tmp_path / "outputs"
+    proc = draftsmith("generate", "experiment=tiny", f"outputs={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [gen] = list(out.glob("generate/*"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "drafter_quantization.py"), "--generate", str(gen),
+                          "--target", "tiny-target", "--drafter", "tiny-target", "--dtype", "float32",
+                          "--max-new-tokens", "12", "--out", str(tmp_path / "q")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    variants = json.loads((tmp_path / "q" / "drafter_quantization.json").read_text())["variants"]
+    assert list(variants) == ["float32", "torch int8 (per-tensor)", "draftsmith int8 (per-token, per-channel)"]
+    assert variants["float32"]["agreement"] == 1.0  # the target drafting for itself, read as the decoder reads it
+    assert all(0 < v["agreement"] <= 1 and v["ms_per_token"] > 0 for v in variants.values())
+    assert "| float32 | 1.000 |" in (tmp_path / "q" / "drafter_quantization.md").read_text()
+
+
 def _prompt_file(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
