@@ -110,7 +110,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                     confidence_threshold=dec.confidence_threshold, target_engine=cfg.evaluate.target_engine,
                     **decode_args)
 
-    base = None
+    base, draft_vocab = None, None
     if cfg.evaluate.baseline:  # loaded first: a bad drafter config fails before the long runs
         # the drafter this run started from (its drafter_info), not whatever drafter.* says now
         base, base_tok, _ = initial_drafter(_as_distilled(cfg, info), dtype=cfg.drafter.dtype)

@@ -3,14 +3,15 @@
     python scripts/drafter_quantization.py --generate outputs/generate/<run> [more runs ...]
 
 The target answers each held-out prompt of the generate runs (``eval_prompts.jsonl``) greedily; each
-drafter variant then reads the prompt in one forward and the answer one token at a time from its KV
-cache, as the bundled decoder drives a drafter, and is scored by **top-1 agreement** (its argmax is the
-target's next token: what greedy speculative decoding accepts on) per prompt category, with the median
-cost of a 1-token forward (ms) and of the prompt forward (ms per prompt). Variants: the drafter in
-``--dtype``; torch's own dynamic int8 (weights and activations per tensor); draftsmith's int8
+drafter variant then reads the prompt as the bundled decoder feeds a drafter (all tokens but the last in
+one forward, ``decode.speculative._prefill``, then one token at a time from its KV cache) and is scored
+by **top-1 agreement** (its argmax is the target's next token: what greedy speculative decoding accepts
+on) per prompt category, with the median cost of a 1-token forward (ms) and of the prompt forward (ms per
+prompt). Variants: the drafter in ``--dtype``; torch's own dynamic int8 (weights and activations per
+tensor); per-token activations with per-tensor weights; draftsmith's int8
 (``decode.quantization.quantize_drafter``: per-token activations, per-channel weights). Prints a Markdown
-table and writes it with the raw figures to ``--out``. The docstring of ``decode/quantization.py`` quotes
-this script's figures.
+table and writes it with the raw figures to ``--out``. CPU only (int8 dynamic kernels). The docstring of
+``decode/quantization.py`` quotes this script's figures.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from decode.quantization import quantize_drafter
+from decode.quantization import PerTokenDynamicLinear, quantize_drafter
 from decode.speculative import target_generate
 from distill.generate import load_generated
 from distill.models import eos_token_ids, load_model
@@ -35,12 +36,14 @@ from distill.prompts import encode_prompt
 from distill.rundir import write_json_atomic, write_text_atomic
 
 
-def torch_int8(model):
-    """torch's eager dynamic int8 as it comes: one scale per weight tensor and per activation tensor."""
+def torch_int8(model, per_token: bool = False):
+    """torch's eager dynamic int8 with per-tensor weights: as it comes (one activation scale per
+    forward), or with :class:`PerTokenDynamicLinear` (one per token)."""
+    mapping = {torch.nn.Linear: PerTokenDynamicLinear} if per_token else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float().eval(), {torch.nn.Linear},
-                                                      dtype=torch.qint8)
+                                                      dtype=torch.qint8, mapping=mapping)
 
 
 @torch.inference_mode()
@@ -51,17 +54,19 @@ def score(model, answers: list[dict]) -> dict:
     for answer in answers:
         cache = DynamicCache()
         start = time.perf_counter()
-        logits = model(torch.tensor([answer["prompt"]]), past_key_values=cache, use_cache=True,
-                       logits_to_keep=1).logits[0, -1]
+        if len(answer["prompt"]) > 1:
+            model(torch.tensor([answer["prompt"][:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
         prompt_ms.append((time.perf_counter() - start) * 1000)
-        predicted = [int(logits.argmax())]
-        for token in answer["answer"][:-1]:
+        predicted = []
+        for token in answer["prompt"][-1:] + answer["answer"][:-1]:
             start = time.perf_counter()
-            logits = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
             step_ms.append((time.perf_counter() - start) * 1000)
             predicted.append(int(logits.argmax()))
         hits.setdefault(answer["category"], []).extend(float(p == t) for p, t in zip(predicted, answer["answer"]))
     every = [h for values in hits.values() for h in values]
+    if not every:
+        raise SystemExit("the target answered every prompt with no token: nothing to score")
     return {"agreement": sum(every) / len(every),
             "by_category": {c: sum(v) / len(v) for c, v in sorted(hits.items())},
             "ms_per_token": statistics.median(step_ms), "prompt_ms": statistics.median(prompt_ms)}
@@ -90,6 +95,7 @@ def main() -> None:
     drafter, _, _ = load_model(args.drafter, dtype=args.dtype)
     drafter.eval()
     variants = {args.dtype: lambda: drafter, "torch int8 (per-tensor)": lambda: torch_int8(drafter),
+                "int8, per-token activations, per-tensor weights": lambda: torch_int8(drafter, per_token=True),
                 "draftsmith int8 (per-token, per-channel)": lambda: quantize_drafter(drafter, "int8-dynamic")}
     rows = {}
     for name, make in tqdm(variants.items(), desc="drafter variants", unit="variant"):
