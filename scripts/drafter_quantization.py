@@ -8,7 +8,7 @@ one forward, ``decode.speculative._prefill``, then one token at a time from its 
 by **top-1 agreement** (its argmax is the target's next token: what greedy speculative decoding accepts
 on) per prompt category, with the median cost of a 1-token forward (ms) and of the prompt forward (ms per
 prompt). Variants: the drafter in ``--dtype``; torch's own dynamic int8 (weights and activations per
-tensor); per-token activations with per-tensor weights; draftsmith's int8
+tensor); per-token activations with per-tensor weights; the reverse; draftsmith's int8
 (``decode.quantization.quantize_drafter``: per-token activations, per-channel weights). Prints a Markdown
 table and writes it with the raw figures to ``--out``. CPU only (int8 dynamic kernels). The docstring of
 ``decode/quantization.py`` quotes this script's figures.
@@ -36,13 +36,16 @@ from distill.prompts import encode_prompt
 from distill.rundir import write_json_atomic, write_text_atomic
 
 
-def torch_int8(model, per_token: bool = False):
-    """torch's eager dynamic int8 with per-tensor weights: as it comes (one activation scale per
-    forward), or with :class:`PerTokenDynamicLinear` (one per token)."""
+def torch_int8(model, per_token: bool = False, per_channel: bool = False):
+    """torch's eager dynamic int8: as it comes (one scale per weight tensor and one per forward's
+    activations), with :class:`PerTokenDynamicLinear` (one activation scale per token) and/or with
+    one weight scale per output channel."""
     mapping = {torch.nn.Linear: PerTokenDynamicLinear} if per_token else None
+    qconfig = (torch.ao.quantization.per_channel_dynamic_qconfig if per_channel
+               else torch.ao.quantization.default_dynamic_qconfig)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float().eval(), {torch.nn.Linear},
+        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float().eval(), {torch.nn.Linear: qconfig},
                                                       dtype=torch.qint8, mapping=mapping)
 
 
@@ -96,6 +99,7 @@ def main() -> None:
     drafter.eval()
     variants = {args.dtype: lambda: drafter, "torch int8 (per-tensor)": lambda: torch_int8(drafter),
                 "int8, per-token activations, per-tensor weights": lambda: torch_int8(drafter, per_token=True),
+                "int8, per-tensor activations, per-channel weights": lambda: torch_int8(drafter, per_channel=True),
                 "draftsmith int8 (per-token, per-channel)": lambda: quantize_drafter(drafter, "int8-dynamic")}
     rows = {}
     for name, make in tqdm(variants.items(), desc="drafter variants", unit="variant"):

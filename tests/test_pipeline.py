@@ -333,6 +333,7 @@ def test_drafter_quantization_script_scores_the_variants(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     variants = json.loads((tmp_path / "q" / "drafter_quantization.json").read_text())["variants"]
     assert list(variants) == ["float32", "torch int8 (per-tensor)", "int8, per-token activations, per-tensor weights",
+                              "int8, per-tensor activations, per-channel weights",
                               "draftsmith int8 (per-token, per-channel)"]
     assert variants["float32"]["agreement"] == 1.0  # the target drafting for itself, read as the decoder reads it
     assert all(0 < v["agreement"] <= 1 and v["ms_per_token"] > 0 for v in variants.values())
