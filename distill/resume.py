@@ -164,18 +164,15 @@ def _copy_history(checkpoint: Path, run_dir: Path) -> None:
     validation records and its log are copied, not moved; training keeps those up to the
     checkpoint's step (``distill.train._restart_metrics``), so the new run holds the whole curve.
     """
-    old_checkpoints = checkpoint.parent
-    new_checkpoints = run_dir / CHECKPOINTS
-    if old_checkpoints.resolve() == new_checkpoints.resolve():
-        return
-    step = int(checkpoint.name.split("-", 1)[1]) if checkpoint.name.split("-", 1)[-1].isdigit() else None
-    if step is None:
-        return
+    old_checkpoints, new_checkpoints = checkpoint.parent, run_dir / CHECKPOINTS
+    step = checkpoint.name.partition("-")[2]
+    if old_checkpoints.resolve() == new_checkpoints.resolve() or not step.isdigit():
+        return  # the same run, or a renamed checkpoint folder whose step the name does not tell
     new_checkpoints.mkdir(parents=True, exist_ok=True)
     for name in (METRICS_FILE, VALIDATION_FILE):
         if (old_checkpoints / name).is_file() and not (new_checkpoints / name).exists():
             shutil.copyfile(old_checkpoints / name, new_checkpoints / name)
-    _continue_log(old_checkpoints.parent / LOG, run_dir / LOG, step)
+    _continue_log(old_checkpoints.parent / LOG, run_dir / LOG, int(step))
 
 
 def _continue_log(old: Path, new: Path, step: int) -> None:
