@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from decode.quantization import PerTokenDynamicLinear, quantize_drafter
-from decode.speculative import target_generate
+from decode.speculative import _forward, _prefill, target_generate
 from distill.generate import load_generated
 from distill.models import eos_token_ids, load_model
 from distill.prompts import encode_prompt
@@ -55,15 +54,13 @@ def score(model, answers: list[dict]) -> dict:
     hits: dict[str, list[float]] = {}
     step_ms, prompt_ms = [], []
     for answer in answers:
-        cache = DynamicCache()
         start = time.perf_counter()
-        if len(answer["prompt"]) > 1:
-            model(torch.tensor([answer["prompt"][:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
+        cache = _prefill(model, torch.tensor([answer["prompt"]]))  # the decoder's own prompt forward
         prompt_ms.append((time.perf_counter() - start) * 1000)
         predicted = []
         for token in answer["prompt"][-1:] + answer["answer"][:-1]:
             start = time.perf_counter()
-            logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+            logits = _forward(model, torch.tensor([[token]]), cache, last_only=True)
             step_ms.append((time.perf_counter() - start) * 1000)
             predicted.append(int(logits.argmax()))
         hits.setdefault(answer["category"], []).extend(float(p == t) for p, t in zip(predicted, answer["answer"]))
