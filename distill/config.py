@@ -234,6 +234,9 @@ class EvaluateConfig:
     """Stage 3: measure the drafter before and after distillation on held-out prompts."""
 
     num_prompts: int = 6  # held-out evaluation prompts (never used for training)
+    # a prompt file (the format data=file reads) to evaluate on instead of the generate run's held-out prompts:
+    # its first num_prompts; prompts that were in the distill run's training data are counted in the report
+    prompts: Optional[str] = None
     hf_assisted: bool = True  # also time transformers' assisted generation with the tuned drafter
     baseline: bool = True  # also measure the undistilled drafter
     # other drafters measured untrained in the same run, on the same prompts (shipped names or model folders),
@@ -249,6 +252,8 @@ class EvaluateConfig:
         self.compare_drafters = list(self.compare_drafters)
         _check(len(set(self.compare_drafters)) == len(self.compare_drafters), "evaluate.compare_drafters",
                f"names a drafter twice: {self.compare_drafters}")
+        _check(self.prompts is None or bool(str(self.prompts).strip()), "evaluate.prompts",
+               "must be a prompt file (JSONL or text, as data=file reads) or null for the held-out prompts")
         _check(self.target_engine in ("hf", "loop"), "evaluate.target_engine",
                f"must be hf or loop, got {self.target_engine!r}")
 

@@ -1,8 +1,9 @@
 """Stage 3: measure the drafter before and after distillation with the bundled decoder.
 
-On the held-out evaluation prompts of the generate run (never trained on), the
-target decodes alone, with the tuned drafter (ours and, optionally, transformers'
-assisted generation) and with the undistilled drafter. Writes ``report.json``
+On the held-out evaluation prompts of the generate run (never trained on), or on
+the prompt file named by ``evaluate.prompts``, the target decodes alone, with the
+tuned drafter (ours and, optionally, transformers' assisted generation) and with
+the undistilled drafter. Writes ``report.json``
 (figures of the tuned drafter at top level, the undistilled one under
 ``baseline_drafter``) and ``report.md``.
 """
@@ -24,7 +25,7 @@ from distill.config import Config
 from distill.errors import DraftsmithError
 from distill.generate import load_generated
 from distill.models import eos_token_ids, load_model
-from distill.prompts import encode_prompt
+from distill.prompts import Prompt, encode_prompt, load_prompts
 from distill.reduced_vocab import draft_vocabulary_of, load_drafter, reduce_vocabulary
 from distill.report import write_report_markdown, write_report_plots
 from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
@@ -42,6 +43,44 @@ def load_tuned_drafter(distill_dir: Path, dtype: str):
     path = require_complete(distill_dir, "distill") / DRAFTER_DIR
     model = load_drafter(path, dtype)  # with its reduced vocabulary head if it was distilled with one
     return model, json.loads((path / DRAFTER_INFO).read_text())
+
+
+def evaluation_prompts(cfg: Config, held_out: list[Prompt], gen_dir: Path) -> list[Prompt]:
+    """The prompts evaluate decodes: the first ``evaluate.num_prompts`` of ``evaluate.prompts`` when set (a
+    prompt file in the format ``data=file`` reads), else of the generate run's held-out prompts ``held_out``.
+
+    Warns (does not fail) when there are fewer than ``evaluate.num_prompts``.
+
+    Raises:
+        PromptError: ``evaluate.prompts`` is missing, empty or malformed (every bad line listed).
+    """
+    wanted = cfg.evaluate.num_prompts
+    if cfg.evaluate.prompts:
+        prompts = load_prompts("file", str(cfg.evaluate.prompts), limit=wanted, key="evaluate.prompts")
+        if len(prompts) < wanted:
+            print(f"evaluate: warning: {cfg.evaluate.prompts} holds {len(prompts)} prompts, fewer than "
+                  f"evaluate.num_prompts={wanted}: evaluating on {len(prompts)}")
+        return prompts
+    if len(held_out) < wanted:
+        print(f"evaluate: warning: {gen_dir} holds {len(held_out)} held-out prompts, fewer than "
+              f"evaluate.num_prompts={wanted}; the eval set is fixed when generate runs "
+              f"(re-run generate with evaluate.num_prompts={wanted}, or name a prompt file: evaluate.prompts=<file>)")
+    return held_out[:wanted]
+
+
+def prompts_seen_in_training(prompt_ids: list[list[int]], distill_dir: Path) -> int | None:
+    """How many of the encoded prompts ``prompt_ids`` (token ids, as the target reads them) were prompts of the
+    generate runs ``distill_dir`` was distilled on (its ``inputs.generate`` and ``inputs.extra_generate``,
+    training and validation split alike); None when one of those runs is gone, so the overlap is unknown."""
+    inputs = read_manifest(distill_dir).get("inputs", {})
+    seen: set[tuple[int, ...]] = set()
+    for folder in filter(None, [inputs.get("generate"), *inputs.get("extra_generate", [])]):
+        try:
+            dataset = load_generated(Path(folder))[0]
+        except DraftsmithError:
+            return None
+        seen.update(tuple(ids) for ids in dataset.select_columns(["prompt_ids"])["prompt_ids"])
+    return sum(tuple(ids) in seen for ids in prompt_ids)
 
 
 def _log_report(cfg: Config, run_dir: Path, report: dict[str, Any], plots: list[Path]) -> None:
@@ -83,11 +122,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     distill_dir = resolve_input(cfg.inputs.distill, cfg.outputs, "distill")
     gen_dir = Path(cfg.inputs.generate or read_manifest(distill_dir)["inputs"]["generate"])
     _, held_out, gen_manifest = load_generated(gen_dir)
-    if len(held_out) < cfg.evaluate.num_prompts:
-        print(f"evaluate: warning: {gen_dir} holds {len(held_out)} held-out prompts, fewer than "
-              f"evaluate.num_prompts={cfg.evaluate.num_prompts}; the eval set is fixed when generate runs "
-              f"(re-run generate with evaluate.num_prompts={cfg.evaluate.num_prompts})")
-    held_out = held_out[: cfg.evaluate.num_prompts]
+    held_out = evaluation_prompts(cfg, held_out, gen_dir)  # a bad evaluate.prompts file fails here, before loading
     run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)})
 
     t0 = time.perf_counter()
@@ -102,6 +137,12 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
 
     eos = eos_token_ids(target, tokenizer)
     prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in held_out]
+    eval_set = {"source": str(cfg.evaluate.prompts) if cfg.evaluate.prompts else "held-out"}
+    if cfg.evaluate.prompts:
+        eval_set["seen_in_training"] = prompts_seen_in_training([p[2] for p in prompts], distill_dir)
+        if eval_set["seen_in_training"]:
+            print(f"evaluate: warning: {eval_set['seen_in_training']} of the {len(prompts)} prompts of "
+                  f"{cfg.evaluate.prompts} were in the data this drafter was distilled on: their figures flatter it")
     dec = cfg.decode
     decode_args = dict(max_new_tokens=dec.max_new_tokens, eos_token_ids=eos, temperature=dec.temperature,
                        top_k=dec.top_k, top_p=dec.top_p, seed=cfg.evaluate.seed,
@@ -129,7 +170,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                 for m in (target, tuned, base, *others.values()) if m is not None)
     quantization = resolve_quantization(dec.drafter_quantization, target.device)
     tuned_run = quantize_drafter(tuned, quantization)  # the drafter as the decoder runs it
-    print(f"evaluate: target alone on {len(prompts)} held-out prompts")
+    print(f"evaluate: target alone on {len(prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}prompts")
     alone = run_target_alone(target, prompts, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
     print("evaluate: distilled drafter")
     report: dict[str, Any] = benchmark(target, tuned_run, prompts, hf_assisted=cfg.evaluate.hf_assisted,
@@ -157,6 +198,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         "engine": f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
         if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA",
         "prompt_ids": [p[0] for p in prompts],
+        "eval_prompts": eval_set,  # held-out (the generate run's) or evaluate.prompts, with its training overlap
         "distill_inputs": read_manifest(distill_dir).get("inputs", {}),  # the generate runs it was trained on
     })
     report["notes"] = [

@@ -22,6 +22,7 @@ from distill.evaluate import REPORT_JSON, REPORT_MD, run_evaluate
 from distill.export import EXPORT_DIR, check_export_destination, run_export
 from distill.generate import run_generate
 from distill.models import resolve_model
+from distill.prompts import load_prompts
 from distill.report import write_report_markdown
 from distill.resume import named_checkpoint
 from distill.rundir import read_manifest, write_json_atomic
@@ -46,6 +47,7 @@ def preflight(cfg: Config, export_run: Path) -> None:
             would not store; an ``inputs.extra_generate`` run of another target or without them; a
             ``distill.resume`` folder without a checkpoint.
         IncompleteRunError: an ``inputs.extra_generate`` folder is not a finished generate run.
+        PromptError: the ``evaluate.prompts`` file is missing, empty or malformed.
         DraftsmithError: the export destination is taken.
         TokenizerMismatchError: target and drafter cannot share tokens (tokenizers only, no weights loaded).
     """
@@ -63,6 +65,8 @@ def preflight(cfg: Config, export_run: Path) -> None:
     check_layers_exist(cfg)
     resolve_extra_generate(cfg)  # inputs.extra_generate: finished, same target, stored top-k where needed
     named_checkpoint(cfg.distill.resume)  # distill.resume=<folder>: a checkpoint is there
+    if cfg.evaluate.prompts:  # evaluate.prompts=<file>: readable and well formed
+        load_prompts("file", str(cfg.evaluate.prompts), limit=cfg.evaluate.num_prompts, key="evaluate.prompts")
     for name in cfg.evaluate.compare_drafters:  # evaluate.compare_drafters: resolvable, same tokens
         other = AutoTokenizer.from_pretrained(resolve_model(name).path)
         check_tokenizers(target, other, cfg.target.name, name)

@@ -58,7 +58,8 @@ class Prompt:
 
 
 def load_prompts(source: str, path: str | None = None, limit: int | None = None, *,
-                 on_bad_line: str = "error", skipped: list[str] | None = None) -> list[Prompt]:
+                 on_bad_line: str = "error", skipped: list[str] | None = None,
+                 key: str = "data.path") -> list[Prompt]:
     """Load prompts from ``source`` (one of ``SOURCES``), in a fixed order.
 
     ``path`` is required for (and only used by) ``source="file"``. ``limit``
@@ -66,6 +67,7 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None,
     125 MB file early. ``on_bad_line`` decides what a malformed JSONL line
     does: ``error`` (all of them listed with line numbers) or ``skip`` (a
     warning, and ``"line N: reason"`` appended to ``skipped`` when given).
+    ``key`` is the setting that named ``path``, for the error messages.
 
     Raises:
         PromptError: unknown source, package not installed (the message gives
@@ -77,8 +79,8 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None,
     source = source.strip().lower()
     if source == "file":
         if not path:
-            raise PromptError("source 'file' needs a path to a .jsonl or .txt file (data.path=...).")
-        prompts = _load_file(Path(path), on_bad_line, skipped)
+            raise PromptError(f"source 'file' needs a path to a .jsonl or .txt file ({key}=...).")
+        prompts = _load_file(Path(path), on_bad_line, skipped, key)
     elif path:
         raise PromptError(f"a path was given with source {source!r}; use source 'file' to read {path}.")
     elif source == "humaneval":
@@ -215,9 +217,10 @@ def _interleave(*lists: Sequence[Prompt]) -> list[Prompt]:
     return out
 
 
-def _load_file(path: Path, on_bad_line: str = "error", skipped: list[str] | None = None) -> list[Prompt]:
+def _load_file(path: Path, on_bad_line: str = "error", skipped: list[str] | None = None,
+               key: str = "data.path") -> list[Prompt]:
     if not path.is_file():
-        raise PromptError(f"Prompt file {path} does not exist; check data.path.")
+        raise PromptError(f"Prompt file {path} does not exist; check {key}.")
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".txt"):
         raise PromptError(f"Prompt file {path} must end in .jsonl or .txt (got {suffix or 'no suffix'!r}).")
@@ -245,8 +248,8 @@ def _load_file(path: Path, on_bad_line: str = "error", skipped: list[str] | None
         elif bad:
             raise PromptError(
                 f"{path}: {len(bad)} malformed line(s): {shown}. Each line must be a JSON object with "
-                f'"prompt": "<text>" or "messages": [{{"role": "user", "content": "<text>"}}, ...]; '
-                f"or set data.on_bad_line=skip to drop them (counted in the report)."
+                f'"prompt": "<text>" or "messages": [{{"role": "user", "content": "<text>"}}, ...]'
+                + ("; or set data.on_bad_line=skip to drop them (counted in the report)." if key == "data.path" else ".")
             )
     if not prompts:
         raise PromptError(f"Prompt file {path} contains no prompts; add one prompt per line.")

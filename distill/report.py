@@ -59,6 +59,18 @@ def _training_data(report: dict[str, Any]) -> list[str]:
             + (" (`inputs.extra_generate` added the later runs)" if len(runs) > 1 else "") + ".", ""]
 
 
+def _eval_set(report: dict[str, Any]) -> str:
+    """'held-out prompts', or the prompt file of ``evaluate.prompts`` and how many of its prompts were trained on."""
+    eval_set = report.get("eval_prompts") or {}
+    if eval_set.get("source", "held-out") == "held-out":
+        return "held-out prompts"
+    seen = eval_set.get("seen_in_training")
+    overlap = ("overlap with the training data unknown (a training run folder is gone)" if seen is None else
+               "none of them in the training data" if seen == 0 else
+               f"**{seen} of them in the training data**, which flatters the distilled drafter")
+    return f"prompts of `{eval_set['source']}` (`evaluate.prompts`; {overlap})"
+
+
 def render_report_markdown(report: dict[str, Any]) -> str:
     """A Markdown page: the before/after table, HF assisted baseline, per-category and per-position figures."""
     base = report.get("baseline_drafter") or {}
@@ -66,7 +78,7 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         "# draftsmith evaluation report", "",
         f"Target `{report.get('target', {}).get('name')}`, drafter from `{report.get('drafter', {}).get('base_name')}` "
         f"({_drafter_shape(report.get('drafter') or {})}), draft length K = {report.get('draft_length')}, "
-        f"{report.get('num_prompts')} held-out prompts, {report.get('new_tokens')} new tokens. "
+        f"{report.get('num_prompts')} {_eval_set(report)}, {report.get('new_tokens')} new tokens. "
         f"Engine: {report.get('engine')}; drafter run as "
         f"{(report.get('decode') or {}).get('drafter_quantization_used', 'stored')}.", "",
     ]

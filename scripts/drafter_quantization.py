@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from decode.quantization import PerTokenDynamicLinear, quantize_drafter
 from decode.speculative import _forward, _prefill, target_generate
+from distill.errors import DraftsmithError
 from distill.generate import load_generated
 from distill.models import eos_token_ids, load_model
 from distill.prompts import encode_prompt
@@ -82,7 +83,10 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/drafter_quantization", help="folder for the .md / .json")
     args = parser.parse_args()
 
-    prompts = [p for run in args.generate for p in load_generated(Path(run))[1]]
+    try:
+        prompts = [p for run in args.generate for p in load_generated(Path(run))[1]]
+    except DraftsmithError as error:  # a wrong folder: say so before any model loads
+        parser.error(f"--generate: {error}")
     target, tokenizer, _ = load_model(args.target, dtype=args.dtype)
     eos = eos_token_ids(target, tokenizer)
     answers = []

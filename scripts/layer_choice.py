@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from distill.drafters import cut_layers, describe_layers, select_layers
+from distill.errors import DraftsmithError
 from distill.generate import load_generated
 from distill.models import load_model
 from distill.rundir import write_json_atomic, write_text_atomic
@@ -37,7 +38,10 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/layer_choice", help="folder for layer_choice.md / .json")
     args = parser.parse_args()
 
-    dataset, _, manifest = load_generated(Path(args.generate))
+    try:
+        dataset, _, manifest = load_generated(Path(args.generate))
+    except DraftsmithError as error:  # a wrong folder: say so before any model loads
+        parser.error(f"--generate: {error}")
     if not manifest.get("store_top_k"):
         parser.error(f"{args.generate} holds no stored target log-probs: generate with generate.store_top_k=20")
     columns = ["prompt_ids", "completion_ids", "top_k_ids", "top_k_logprobs"]

@@ -153,6 +153,36 @@ def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
         pipeline_report["baseline_drafter"]["acceptance_rate"] < 1.0
 
 
+def test_evaluate_on_a_named_prompt_file_counts_prompts_seen_in_training(tiny_run, tmp_path):
+    """evaluate.prompts=<file>: its prompts replace the held-out ones; one that was trained on is counted."""
+    from datasets import load_from_disk
+
+    from distill.prompts import load_prompts
+    root, pipeline = tiny_run
+    distill_run = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "distill"
+    trained_id = load_from_disk(str(distill_run.parent / "generate" / "dataset"))["prompt_id"][0]
+    [trained] = [p for p in load_prompts("humaneval") if p.id == trained_id]
+    prompts = _prompt_file(tmp_path / "mine.jsonl", [
+        {"id": "new", "prompt": "def fib(n):"}, {"id": "seen", "messages": trained.messages},
+        {"id": "third", "prompt": "Write a haiku about caches."}])
+    proc = draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval", f"inputs.distill={distill_run}",
+                      f"evaluate.prompts={prompts}", "evaluate.num_prompts=2", "evaluate.hf_assisted=false", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 of the 2 prompts" in proc.stdout
+    [report_path] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
+    report = json.loads(report_path.read_text())
+    assert report["prompt_ids"] == ["file/new", "file/seen"] and report["num_prompts"] == 2
+    assert report["eval_prompts"] == {"source": str(prompts), "seen_in_training": 1}
+    assert "**1 of them in the training data**" in (report_path.parent / "report.md").read_text()
+    # a malformed file is refused before any model loads, and no run folder is left behind
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x"}\n')
+    proc = draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/bad", f"inputs.distill={distill_run}",
+                      f"evaluate.prompts={bad}", cwd=root)
+    assert proc.returncode == 2 and "line 1" in proc.stderr and "prompt" in proc.stderr, proc.stderr[-2000:]
+    assert not list((tmp_path / "bad").glob("evaluate/*/report.json"))
+
+
 def test_validate_every_without_held_out_examples_is_refused_before_training(tiny_run, tmp_path):
     root, pipeline = tiny_run
     gen = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
@@ -214,6 +244,13 @@ def test_pipeline_preflight_refuses_before_generating(tmp_path):
     proc = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", f"export.path={taken}",
                       cwd=tmp_path)
     assert proc.returncode == 2 and "not a draftsmith export" in proc.stderr
+    assert "[1/4]" not in proc.stdout
+
+
+def test_pipeline_refuses_a_missing_evaluate_prompts_file_before_generating(tmp_path):
+    proc = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs",
+                      f"evaluate.prompts={tmp_path}/missing.jsonl", cwd=tmp_path)
+    assert proc.returncode == 2 and "missing.jsonl" in proc.stderr and "evaluate.prompts" in proc.stderr, proc.stderr[-2000:]
     assert "[1/4]" not in proc.stdout
 
 
