@@ -6,6 +6,7 @@ Everything after the stage name is a Hydra override (``distill.lr=3e-4``,
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from distill import parallel
 from distill.config import STAGES, register_configs, to_config
 from distill.errors import ConfigError, DraftsmithError
+from distill.tracking import check_logger
 
 # conf/ sits at the project root (the user's layout), so draftsmith runs from a source checkout
 # installed with `pip install -e .`; a non-editable wheel would need a copy in distill/conf.
@@ -50,6 +52,7 @@ def run_stage(cfg: DictConfig, run_dir: Path) -> float | None:
     """Run the stage named by ``cfg.stage`` in ``run_dir``; returns the metric a sweeper optimises (speedup)."""
     config = to_config(cfg)
     config_yaml = OmegaConf.to_yaml(cfg)
+    check_logger(config.logger)  # wandb online without a key: refused now, not after the models load
     # Imported here so that `--help` and config errors stay fast.
     if config.stage == "generate":
         from distill.generate import run_generate
@@ -221,6 +224,57 @@ def _refuse_scalars_for_lists(stage: str, overrides: list[str]) -> None:
         sys.exit(2)
 
 
+def _refuse_bad_sweep_values(stage: str, flags: list[str], overrides: list[str], limit: int = 256) -> None:
+    """With ``-m``: compose every combination of the swept values and check it, so that a bad value stops the
+    sweep before its first job runs (Hydra would find it only when that job starts, maybe hours in)."""
+    if not {"-m", "--multirun"} & set(flags):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices = []
+    for override in OverridesParser.create().parse_overrides(
+            [o for o in overrides if not o.lstrip("+~").startswith("hydra")]):
+        if not override.is_sweep_override():
+            choices.append([override.input_line])
+        elif override.is_discrete_sweep():
+            key = override.get_key_element()
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:  # ranges, intervals: the sweeper's business
+            return
+    combinations = list(itertools.islice(itertools.product(*choices), limit))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for combination in combinations:
+            try:
+                to_config(compose(config_name="config", overrides=[f"stage={stage}", *combination]))
+            except ConfigError as err:
+                swept = " ".join(c for c, options in zip(combination, choices) if len(options) > 1)
+                print(f"draftsmith {stage}: config error in the sweep's job {swept}: {err}; no job was started",
+                      file=sys.stderr)
+                sys.exit(2)
+            except Exception:  # noqa: BLE001 (composition errors: Hydra reports them itself, with its own words)
+                return
+
+
+def _refuse_unwritable_outputs(stage: str, overrides: list[str]) -> None:
+    """Exit 2 with a message when ``outputs=`` is a file or lies where nothing can be written (Hydra would
+    otherwise fail creating the run folder with a traceback)."""
+    value = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("outputs=")), "outputs")
+    if "," in value:  # a swept value: each job checks its own
+        return
+    path = Path(value).expanduser()
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
+    if existing.exists() and not existing.is_dir():
+        problem = "is a file" if existing == path else f"lies under {existing}, which is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"cannot be created: {existing} is not writable"
+    else:
+        return
+    print(f"draftsmith {stage}: error: outputs={value} {problem}; pass outputs=<a folder you can write>",
+          file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``draftsmith``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -244,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     register_configs()
     flags, overrides = _split_flags(rest)
     _refuse_scalars_for_lists(stage, overrides)
+    _refuse_unwritable_outputs(stage, overrides)
+    _refuse_bad_sweep_values(stage, flags, overrides)
     if parallel.world_size() > 1:  # torchrun / accelerate launch: N processes, one distill run
         _refuse_in_parallel(stage, flags)
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -43,6 +44,20 @@ def load_tuned_drafter(distill_dir: Path, dtype: str):
     path = require_complete(distill_dir, "distill") / DRAFTER_DIR
     model = load_drafter(path, dtype)  # with its reduced vocabulary head if it was distilled with one
     return model, json.loads((path / DRAFTER_INFO).read_text())
+
+
+def _machine_busy(seconds: float = 1.0) -> float | None:
+    """Share of all CPUs (0-1) that other processes used over ``seconds`` while this one sat idle, printed as a
+    warning when they compete with the measurement; None without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    busy = psutil.cpu_percent(interval=seconds) / 100  # this process is idle meanwhile: the rest is others' work
+    if busy > 0.25 and not torch.cuda.is_available():
+        print(f"evaluate: warning: other processes kept {busy:.0%} of the {os.cpu_count()} CPUs busy: the speed "
+              "figures will be low and noisy (acceptance is unaffected); measure on an idle machine")
+    return round(busy, 3)
 
 
 def evaluation_prompts(cfg: Config, held_out: list[Prompt], gen_dir: Path) -> list[Prompt]:
@@ -168,6 +183,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         others[name] = other
     vocab = min(m.get_output_embeddings().out_features
                 for m in (target, tuned, base, *others.values()) if m is not None)
+    busy = _machine_busy()
     quantization = resolve_quantization(dec.drafter_quantization, target.device)
     tuned_run = quantize_drafter(tuned, quantization)  # the drafter as the decoder runs it
     print(f"evaluate: target alone on {len(prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}prompts")
@@ -210,6 +226,12 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         f"gets the same drafter module; the output is the target's either way",
         *report.get("notes", []),
     ]
+    report["cpu_busy_before"] = busy  # share of the CPUs other processes used just before measuring
+    if busy is not None and busy > 0.25 and not torch.cuda.is_available():
+        report["notes"].append(
+            f"the machine was busy when the measurement started (other processes used {busy:.0%} of the "
+            f"{os.cpu_count()} CPUs): they compete with the model threads, so tokens/s and speedups are lower and "
+            f"noisier than on an idle machine; re-run evaluate when it is idle")
     skipped = gen_manifest.get("skipped_prompt_lines") or []
     report["data"] = {"skipped_prompt_lines": len(skipped)}
     if skipped:

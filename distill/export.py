@@ -121,19 +121,34 @@ def _draft_vocab_size(path: Path) -> int:
         return int(handle.get_slice("draft_to_target").get_shape()[0])
 
 
+# What an export folder holds (save_pretrained of model, tokenizer and generation config, plus ours); overwrite
+# replaces a folder only when everything in it matches, so a user's own files there are never deleted.
+_EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                 "model-*-of-*.safetensors", "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt",
+                 "added_tokens.json", "chat_template.jinja", DRAFTER_INFO, DRAFT_VOCAB_FILE, "README.md", GGUF_FILE)
+
+
 def check_export_destination(dest: Path, overwrite: bool) -> None:
-    """Refuse a destination that exists, unless ``overwrite`` and it is an earlier draftsmith export.
+    """Refuse a destination that exists, unless it is an empty folder, or ``overwrite`` is set and it is an
+    earlier draftsmith export holding nothing but the files an export writes.
 
     Raises:
-        DraftsmithError: ``dest`` exists and may not (or must never) be replaced.
+        DraftsmithError: ``dest`` exists and may not (or must never) be replaced; the message names what to change.
     """
-    if not dest.exists():
+    if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
         return
     if not dest.is_dir() or not (dest / DRAFTER_INFO).is_file():
         raise DraftsmithError(f"{dest} exists and is not a draftsmith export (no {DRAFTER_INFO}): "
                               "choose another export.path; draftsmith never replaces other files")
     if not overwrite:
         raise DraftsmithError(f"{dest} already exists: choose another export.path or set export.overwrite=true")
+    foreign = sorted(p.name for p in dest.iterdir()
+                     if not p.is_file() or not any(p.match(pattern) for pattern in _EXPORT_FILES))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise DraftsmithError(f"{dest} is an earlier draftsmith export but also holds {shown}, which an export does "
+                              "not write: move them out or choose another export.path; overwrite never deletes "
+                              "other files")
 
 
 def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
@@ -162,7 +177,7 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(src)
 
-    staging = dest.with_name(dest.name + ".new") if dest.exists() else dest
+    staging = dest.with_name(dest.name + ".new") if dest.exists() else dest  # (an empty dest is replaced too)
     gguf_bytes = sum(p.numel() for p in model.parameters()) * (4 if cfg.export.gguf_dtype == "f32" else 2)
     with atomic_dir(staging, needed_bytes=_state_bytes(model) + (gguf_bytes if cfg.export.gguf else 0)) as tmp:
         model.save_pretrained(tmp)

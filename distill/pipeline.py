@@ -24,10 +24,10 @@ from distill.generate import run_generate
 from distill.models import resolve_model
 from distill.prompts import load_prompts
 from distill.report import write_report_markdown
-from distill.resume import named_checkpoint
+from distill.resume import find_finished, named_checkpoint, resume_key
 from distill.rundir import read_manifest, write_json_atomic
-from distill.train_stage import check_layers_exist, check_qlora, check_tokenizers, run_distill
-from distill.training_data import resolve_extra_generate
+from distill.train_stage import check_drafter_tokens, check_layers_exist, check_qlora, check_tokenizers, run_distill
+from distill.training_data import data_identity, resolve_extra_generate
 
 
 def _release_memory() -> None:
@@ -60,8 +60,7 @@ def preflight(cfg: Config, export_run: Path) -> None:
     check_export_destination(Path(cfg.export.path) if cfg.export.path else export_run / EXPORT_DIR,
                              cfg.export.overwrite)
     target = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)
-    drafter = AutoTokenizer.from_pretrained(resolve_model(cfg.drafter.name).path)
-    check_tokenizers(target, drafter, cfg.target.name, cfg.drafter.name)
+    check_drafter_tokens(cfg, target)  # same tokens; drafter.draft_vocab_size fits
     check_layers_exist(cfg)
     resolve_extra_generate(cfg)  # inputs.extra_generate: finished, same target, stored top-k where needed
     named_checkpoint(cfg.distill.resume)  # distill.resume=<folder>: a checkpoint is there
@@ -70,13 +69,20 @@ def preflight(cfg: Config, export_run: Path) -> None:
     for name in cfg.evaluate.compare_drafters:  # evaluate.compare_drafters: resolvable, same tokens
         other = AutoTokenizer.from_pretrained(resolve_model(name).path)
         check_tokenizers(target, other, cfg.target.name, name)
-    size = cfg.drafter.draft_vocab_size
-    if size is not None and not 2 <= size <= len(drafter):
-        raise ConfigError(f"drafter.draft_vocab_size={size} must be between 2 and the drafter's {len(drafter)} "
-                          "tokens (e.g. 32000 for Qwen), or null for the full vocabulary")
     if cfg.generate.store_top_k > len(target):
         raise ConfigError(f"generate.store_top_k={cfg.generate.store_top_k} is more than the target's "
                           f"{len(target)} tokens: use at most {len(target)} (20 is plenty)")
+
+
+def _finished_distill(cfg: Config, gen_dir: Path) -> Path | None:
+    """With ``distill.resume=auto``: a finished distill run under ``outputs`` that this pipeline's distill stage
+    would reproduce (same resume key: data, target, drafter and settings; same ``max_steps``), else None."""
+    if cfg.distill.resume != "auto":
+        return None
+    gen_manifest = read_manifest(gen_dir)
+    identity = data_identity(gen_manifest, gen_dir, resolve_extra_generate(cfg, gen_dir, gen_manifest))
+    key = resume_key(cfg, identity, resolve_model(cfg.target.name).fingerprint)
+    return find_finished(Path(cfg.outputs), key, cfg.distill.max_steps)
 
 
 def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
@@ -91,9 +97,16 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     print(f"[1/4] generate -> {folders['generate']}")
     run_generate(staged, folders["generate"], config_yaml)
     _release_memory()
-    print(f"[2/4] distill -> {folders['distill']}")
-    run_distill(staged, folders["distill"], config_yaml)
-    _release_memory()
+    reused = _finished_distill(staged, folders["generate"])
+    if reused is not None:  # a re-run after a later stage failed: the training is done, do not redo it
+        print(f"[2/4] distill: reusing {reused}, a finished run with the same data and settings "
+              "(distill.resume=never trains again)")
+        folders["distill"] = reused
+        staged = dataclasses.replace(staged, inputs=dataclasses.replace(staged.inputs, distill=str(reused)))
+    else:
+        print(f"[2/4] distill -> {folders['distill']}")
+        run_distill(staged, folders["distill"], config_yaml)
+        _release_memory()
     print(f"[3/4] evaluate -> {folders['evaluate']}")
     report_path = run_evaluate(staged, folders["evaluate"], config_yaml)
     print(f"[4/4] export -> {folders['export']}")

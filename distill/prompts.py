@@ -219,6 +219,8 @@ def _interleave(*lists: Sequence[Prompt]) -> list[Prompt]:
 
 def _load_file(path: Path, on_bad_line: str = "error", skipped: list[str] | None = None,
                key: str = "data.path") -> list[Prompt]:
+    if path.is_dir():
+        raise PromptError(f"{path} is a folder, not a prompt file; set {key} to a .jsonl or .txt file.")
     if not path.is_file():
         raise PromptError(f"Prompt file {path} does not exist; check {key}.")
     suffix = path.suffix.lower()

@@ -11,7 +11,8 @@ checkpoint with the same optimizer state and data order
 (``distill.train.train_drafter(resume_from=...)``). The new run's ``log.jsonl``
 starts with the old run's records up to that checkpoint, and the rest of the old
 run folder (config, logs) moves to ``<new run>/attempts/<old name>``, so no dead
-folder is left among the runs. ``distill.resume=<run or checkpoint folder>`` leaves
+folder is left among the runs. A pipeline run again after its distill stage finished reuses that
+finished run (:func:`find_finished`). ``distill.resume=<run or checkpoint folder>`` leaves
 that folder where it is (it may be a finished run) and copies its curves
 (``metrics.jsonl``, ``validation.jsonl``, ``log.jsonl``) up to the checkpoint.
 """
@@ -95,6 +96,24 @@ def find_resumable(outputs: Path, key: str, exclude: Path) -> tuple[Path, Path] 
         return None
     _, run, checkpoint = max(candidates)
     return run, checkpoint
+
+
+def find_finished(outputs: Path, key: str, max_steps: int) -> Path | None:
+    """The newest *finished* distill run under ``outputs`` with ``key`` that trained ``max_steps`` steps: what
+    training again with the same data and settings would reproduce (a pipeline re-run reuses it)."""
+    candidates = []
+    for marker in Path(outputs).glob(f"**/{RESUME_KEY}"):
+        run = marker.parent
+        if not (run / COMPLETE).exists():
+            continue
+        try:
+            same = json.loads(marker.read_text())["key"] == key
+            steps = json.loads((run / "manifest.json").read_text())["train"]["steps"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if same and steps == max_steps:
+            candidates.append((marker.stat().st_mtime, run))
+    return max(candidates)[1] if candidates else None
 
 
 def named_checkpoint(mode: str) -> Path | None:

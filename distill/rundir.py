@@ -179,6 +179,9 @@ def require_complete(path: str | Path, stage: str, key: str | None = None) -> Pa
     path, key = Path(path), key or f"inputs.{stage}"
     if not path.is_dir():
         raise IncompleteRunError(f"{stage} run folder {path} does not exist: pass {key}=<folder of a finished {stage} run>")
+    if not (path / MANIFEST).is_file() and (path / stage / MANIFEST).is_file():  # a pipeline's folder
+        raise IncompleteRunError(f"{path} is a pipeline run, which holds one folder per stage: "
+                                 f"pass {key}={path / stage}")
     if not is_complete(path):
         raise IncompleteRunError(
             f"{path} has no {COMPLETE} marker: that {stage} run did not finish. Re-run it with the same "

@@ -7,11 +7,14 @@ wandb runs offline unless ``logger.mode=online``; its files go into the run fold
 from __future__ import annotations
 
 import json
+import netrc
 import os
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from distill.config import LoggerConfig
+from distill.errors import ConfigError
 
 
 class Logger(Protocol):
@@ -67,9 +70,12 @@ class WandbLogger:
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        self._wandb = wandb
-        self.run = wandb.init(project=cfg.project, name=name, mode=cfg.mode, dir=str(run_dir),
-                              config=config, reinit="finish_previous")
+        self._wandb, self._console = wandb, ConsoleLogger(name)
+        try:
+            self.run = wandb.init(project=cfg.project, name=name, mode=cfg.mode, dir=str(run_dir),
+                                  config=config, reinit="finish_previous")
+        except wandb.errors.UsageError as err:  # e.g. online without a key, if check_logger was bypassed
+            raise ConfigError(f"wandb could not start ({err}): {_ONLINE_HELP}") from err
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         self.run.log(metrics, step=step)
@@ -81,6 +87,7 @@ class WandbLogger:
         for k, v in metrics.items():
             if isinstance(v, (int, float, str, bool)):
                 self.run.summary[k] = v
+        self._console.summary(metrics)  # the same one-line summary as the other loggers print
 
     def finish(self) -> None:
         self.run.finish()
@@ -91,6 +98,28 @@ def run_name(stage: str, run_dir: Path) -> str:
     run_dir = Path(run_dir)
     stamp = run_dir.parent.name if run_dir.name == stage else run_dir.name
     return f"{stage}/{stamp}"
+
+
+_ONLINE_HELP = ("run `wandb login` (or set WANDB_API_KEY), or keep logger.mode=offline (the default) and upload "
+                "later with `wandb sync <run>/wandb/offline-run-*`")
+
+
+def check_logger(cfg: LoggerConfig) -> None:
+    """Refuse, before any work starts, ``logger.mode=online`` for wandb without credentials (no
+    ``WANDB_API_KEY`` and no netrc entry for the wandb host, where ``wandb login`` writes the key).
+
+    Raises:
+        ConfigError: wandb online without an API key; the message says what to do.
+    """
+    if cfg.kind != "wandb" or cfg.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        found = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):  # no ~/.netrc, or one wandb could not read either
+        found = None
+    if not found:
+        raise ConfigError(f"logger.mode=online needs a W&B API key and none is configured for {host}: {_ONLINE_HELP}")
 
 
 def make_logger(cfg: LoggerConfig, name: str, run_dir: Path, config: dict[str, Any] | None = None) -> Logger:

@@ -236,11 +236,24 @@ def test_export_never_replaces_foreign_folders(tiny_run, tmp_path):
     assert again.returncode == 2 and "export.overwrite=true" in again.stderr
     assert draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
                       "export.overwrite=true", cwd=root).returncode == 0
+    # ... and never when the user put files of their own in it
+    (dest / "my_notes.txt").write_text("keep me too")
+    proc = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
+                      "export.overwrite=true", cwd=root)
+    assert proc.returncode == 2 and "my_notes.txt" in proc.stderr, proc.stderr[-1000:]
+    assert (dest / "my_notes.txt").read_text() == "keep me too" and (dest / "config.json").is_file()
+    # an empty folder made beforehand is a fine destination
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={empty}",
+                      cwd=root).returncode == 0
+    assert (empty / "config.json").is_file() and not empty.with_name("empty.new").exists()
 
 
 def test_pipeline_preflight_refuses_before_generating(tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()
+    (taken / "notes.txt").write_text("a folder of the user's")
     proc = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", f"export.path={taken}",
                       cwd=tmp_path)
     assert proc.returncode == 2 and "not a draftsmith export" in proc.stderr
@@ -514,3 +527,37 @@ def test_export_finds_the_evaluation_of_its_drafter_among_newer_ones(tiny_run, t
     [export] = [p.parent for p in out.glob("export/*/COMPLETE")]
     used = Path(json.loads((export / "manifest.json").read_text())["inputs"]["evaluate"])
     assert json.loads((used / "manifest.json").read_text())["inputs"]["distill"] == str(mine)
+
+
+def test_distill_refuses_data_of_another_target_before_making_a_run_folder(tiny_run, tmp_path):
+    root, pipeline = tiny_run
+    gen = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
+    proc = draftsmith("distill", "experiment=tiny", "target.name=tiny-drafter", f"inputs.generate={gen}",
+                      f"outputs={tmp_path}/out", cwd=root)
+    assert proc.returncode == 2 and "not by target 'tiny-drafter'" in proc.stderr, proc.stderr[-1000:]
+    assert not (tmp_path / "out" / "distill").exists() or not any((tmp_path / "out" / "distill").iterdir())
+
+
+def test_a_pipeline_folder_given_as_a_stage_input_names_its_stage_folder(tiny_run, tmp_path):
+    root, pipeline = tiny_run
+    folder = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent
+    proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={folder}", f"outputs={tmp_path}", cwd=root)
+    assert proc.returncode == 2 and f"inputs.distill={folder / 'distill'}" in proc.stderr, proc.stderr[-1000:]
+
+
+def test_pipeline_run_again_reuses_its_finished_distill_stage(tmp_path):
+    """A pipeline killed after distill finished (say, in evaluate): the same command again does not retrain."""
+    first = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
+                       cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    trained = Path(first.stdout.strip().splitlines()[-1]).parent.parent / "distill"
+    again = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
+                       cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"[2/4] distill: reusing {trained}" in again.stdout
+    report = json.loads(Path(again.stdout.strip().splitlines()[-1]).read_text())
+    assert report["drafter"]["path"] == str(trained / "drafter")
+    # other settings, or distill.resume=never, train anew
+    other = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
+                       "distill.max_steps=9", cwd=tmp_path)
+    assert other.returncode == 0 and "reusing" not in other.stdout, other.stderr[-2000:]

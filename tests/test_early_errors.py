@@ -1,0 +1,52 @@
+"""Mistakes a new user made, each refused at once with what to change (found by a fresh-user trial)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distill.config import LoggerConfig
+from distill.errors import ConfigError, PromptError
+from distill.prompts import load_prompts
+from distill.tracking import check_logger
+from tests.test_config import cli
+
+
+def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="wandb login"):
+        check_logger(LoggerConfig(kind="wandb", mode="online"))
+    check_logger(LoggerConfig(kind="wandb", mode="offline"))  # the default needs no key
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # where `wandb login` writes the key
+    check_logger(LoggerConfig(kind="wandb", mode="online"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    monkeypatch.setenv("WANDB_API_KEY", "abc123")
+    check_logger(LoggerConfig(kind="wandb", mode="online"))
+
+
+def test_wandb_online_without_a_key_fails_before_any_run_folder(tmp_path):
+    proc = cli("distill", "experiment=tiny", "logger=wandb", "logger.mode=online", f"outputs={tmp_path}/out",
+               cwd=tmp_path)
+    assert proc.returncode == 2 and "logger.mode=offline" in proc.stderr, proc.stderr[-1000:]
+    assert not list((tmp_path / "out").glob("distill/*"))
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_outputs_that_is_a_file_is_refused(tmp_path, where):
+    (tmp_path / "notes.txt").write_text("mine")
+    outputs = tmp_path / "notes.txt" / ("sub" if where == "under_file" else "")
+    proc = cli("generate", "experiment=tiny", f"outputs={str(outputs).rstrip('/')}", cwd=tmp_path)
+    assert proc.returncode == 2 and "pass outputs=<a folder you can write>" in proc.stderr, proc.stderr[-1000:]
+    assert "Traceback" not in proc.stderr and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_folder_given_as_prompt_file_says_so(tmp_path):
+    with pytest.raises(PromptError, match="is a folder, not a prompt file; set data.path"):
+        load_prompts("file", str(tmp_path))
+
+
+def test_a_bad_value_in_a_sweep_stops_it_before_the_first_job(tmp_path):
+    proc = cli("pipeline", "-m", "experiment=tiny", f"outputs={tmp_path}/out", "distill.lr=1e-3,0", cwd=tmp_path)
+    assert proc.returncode == 2 and "job distill.lr=0" in proc.stderr, proc.stderr[-1000:]
+    assert "no job was started" in proc.stderr and not (tmp_path / "out").exists()
