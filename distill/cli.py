@@ -62,7 +62,8 @@ def run_stage(cfg: DictConfig, run_dir: Path) -> float | None:
     if config.stage == "distill":
         from distill.train_stage import run_distill
 
-        run_distill(config, run_dir, config_yaml)
+        if run_distill(config, run_dir, config_yaml) != run_dir:  # an earlier run already did it: no empty folder
+            _remove_if_unused(run_dir, config.stage)
         return None
     if config.stage == "evaluate":
         from distill.evaluate import run_evaluate
@@ -101,6 +102,12 @@ def _speedup(report_path: Path) -> float | None:
         return None
 
 
+def _remove_if_unused(run_dir: Path, stage: str) -> None:
+    """Delete ``run_dir`` if it holds only what Hydra put there (its config copy and the log)."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", f"{stage}.log"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -110,9 +117,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             return None
         return run_stage(cfg, run_dir)
     except DraftsmithError as err:
-        # A refused run wrote nothing of its own: leave no empty run folder behind.
-        if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", f"{cfg.stage}.log"}:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        _remove_if_unused(run_dir, cfg.stage)  # a refused run wrote nothing of its own: leave no empty folder
         kind = "config error" if isinstance(err, ConfigError) else "error"
         print(f"draftsmith {cfg.stage}: {kind}: {err}", file=sys.stderr)
         sys.exit(2)
@@ -277,6 +282,17 @@ def _refuse_unwritable_outputs(stage: str, overrides: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``draftsmith``."""
+    try:
+        try:
+            _main(argv)
+        finally:
+            sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not in the interpreter's exit
+    except BrokenPipeError:  # `draftsmith pipeline --help | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's docs, "Note on SIGPIPE"
+        sys.exit(1)
+
+
+def _main(argv: list[str] | None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

@@ -24,10 +24,10 @@ from distill.generate import run_generate
 from distill.models import resolve_model
 from distill.prompts import load_prompts
 from distill.report import write_report_markdown
-from distill.resume import find_finished, named_checkpoint, resume_key
-from distill.rundir import read_manifest, write_json_atomic
+from distill.resume import named_checkpoint
+from distill.rundir import read_manifest, require_complete, write_json_atomic
 from distill.train_stage import check_drafter_tokens, check_layers_exist, check_qlora, check_tokenizers, run_distill
-from distill.training_data import data_identity, resolve_extra_generate
+from distill.training_data import resolve_extra_generate
 
 
 def _release_memory() -> None:
@@ -74,38 +74,56 @@ def preflight(cfg: Config, export_run: Path) -> None:
                           f"{len(target)} tokens: use at most {len(target)} (20 is plenty)")
 
 
-def _finished_distill(cfg: Config, gen_dir: Path) -> Path | None:
-    """With ``distill.resume=auto``: a finished distill run under ``outputs`` that this pipeline's distill stage
-    would reproduce (same resume key: data, target, drafter and settings; same ``max_steps``), else None."""
-    if cfg.distill.resume != "auto":
-        return None
-    gen_manifest = read_manifest(gen_dir)
-    identity = data_identity(gen_manifest, gen_dir, resolve_extra_generate(cfg, gen_dir, gen_manifest))
-    key = resume_key(cfg, identity, resolve_model(cfg.target.name).fingerprint)
-    return find_finished(Path(cfg.outputs), key, cfg.distill.max_steps)
+def given_runs(cfg: Config) -> dict[str, Path]:
+    """Finished runs the user handed the pipeline (``inputs.generate``, ``inputs.distill``): their stages are
+    not run again. A given distill run brings the generate run it was trained on (for the held-out prompts)
+    unless ``inputs.generate`` names another.
+
+    Raises:
+        IncompleteRunError: a given folder is missing, unfinished or of another stage.
+        ConfigError: ``inputs.evaluate`` is set (the pipeline evaluates what it trained).
+    """
+    if cfg.inputs.evaluate:
+        raise ConfigError("the pipeline evaluates the drafter it trains, so inputs.evaluate has no use here: drop it "
+                          "(draftsmith export inputs.evaluate=<run> exports with another run's figures)")
+    given = {stage: require_complete(folder, stage) for stage in ("generate", "distill")
+             if (folder := getattr(cfg.inputs, stage))}
+    if "distill" in given and "generate" not in given:
+        given["generate"] = require_complete(read_manifest(given["distill"])["inputs"]["generate"], "generate",
+                                             key=f"the generate run of {given['distill']}")
+    return given
 
 
 def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
-    """Run the four stages under ``run_dir``; returns the path of the final ``report.json``."""
+    """Run the four stages under ``run_dir``; returns the path of the final ``report.json``.
+
+    A stage whose finished run is given (``inputs.generate``, ``inputs.distill``; see ``given_runs``) is
+    skipped and that run is read instead.
+    """
     run_dir = Path(run_dir)
-    folders = {name: run_dir / name for name in ("generate", "distill", "evaluate", "export")}
+    given = given_runs(cfg)
+    folders = {name: given.get(name, run_dir / name) for name in ("generate", "distill", "evaluate", "export")}
     inputs = dataclasses.replace(cfg.inputs, generate=str(folders["generate"]), distill=str(folders["distill"]),
                                  evaluate=str(folders["evaluate"]))
     staged = dataclasses.replace(cfg, inputs=inputs)
     preflight(staged, folders["export"])
 
-    print(f"[1/4] generate -> {folders['generate']}")
-    run_generate(staged, folders["generate"], config_yaml)
-    _release_memory()
-    reused = _finished_distill(staged, folders["generate"])
-    if reused is not None:  # a re-run after a later stage failed: the training is done, do not redo it
-        print(f"[2/4] distill: reusing {reused}, a finished run with the same data and settings "
-              "(distill.resume=never trains again)")
-        folders["distill"] = reused
-        staged = dataclasses.replace(staged, inputs=dataclasses.replace(staged.inputs, distill=str(reused)))
+    if "generate" in given:
+        print(f"[1/4] generate: using {folders['generate']} (inputs.generate"
+              f"{'' if cfg.inputs.generate else ' of the given distill run'}), not generating again")
+    else:
+        print(f"[1/4] generate -> {folders['generate']}")
+        run_generate(staged, folders["generate"], config_yaml)
+        _release_memory()
+    if "distill" in given:
+        print(f"[2/4] distill: using {folders['distill']} (inputs.distill), not training")
     else:
         print(f"[2/4] distill -> {folders['distill']}")
-        run_distill(staged, folders["distill"], config_yaml)
+        # a re-run after a later stage failed gets the finished run back (distill.resume=auto): no retraining
+        trained = run_distill(staged, folders["distill"], config_yaml)
+        if trained != folders["distill"]:
+            folders["distill"] = trained
+            staged = dataclasses.replace(staged, inputs=dataclasses.replace(staged.inputs, distill=str(trained)))
         _release_memory()
     print(f"[3/4] evaluate -> {folders['evaluate']}")
     report_path = run_evaluate(staged, folders["evaluate"], config_yaml)
@@ -113,7 +131,8 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     exported = run_export(staged, folders["export"], config_yaml)
 
     report = json.loads(report_path.read_text())
-    report["stages"] = {name: {k: read_manifest(folder).get(k) for k in ("wall_s", "peak_rss_bytes")}
+    report["stages"] = {name: {**{k: read_manifest(folder).get(k) for k in ("wall_s", "peak_rss_bytes")},
+                               **({"given": str(folder)} if name in given else {})}
                         for name, folder in folders.items()}
     report["export"] = str(exported)
     write_json_atomic(report_path, report)

@@ -162,6 +162,7 @@ def render_report_markdown(report: dict[str, Any]) -> str:
     if stages:
         lines += ["", "## Pipeline stages", "", "| stage | wall time (s) | process peak RSS so far (GiB) |", "|---|---|---|"]
         for name, fig in stages.items():
+            name = f"{name} (given: {fig['given']})" if fig.get("given") else name
             lines.append(f"| {name} | {_fmt(fig.get('wall_s'), '{:.1f}')} | "
                          f"{_fmt((fig.get('peak_rss_bytes') or 0) / 2**30, '{:.2f}')} |")
     plots = report.get("plots") or []

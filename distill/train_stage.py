@@ -27,7 +27,7 @@ from distill.errors import ConfigError, DraftsmithError, TokenizerMismatchError
 from distill.generate import load_generated
 from distill.models import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
 from distill.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
-from distill.resume import hold_lock, named_checkpoint, prepare_resume, resume_key
+from distill.resume import find_finished, hold_lock, named_checkpoint, prepare_resume, resume_key
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
 from distill.tracking import NullLogger, make_logger, run_name
 from distill.train import train_drafter
@@ -200,7 +200,9 @@ def _state_bytes(model) -> int:
 
 
 def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
-    """Run stage 2 into ``run_dir``; returns ``run_dir``.
+    """Run stage 2 into ``run_dir``; returns ``run_dir``, or with ``distill.resume=auto`` the finished run under
+    ``outputs`` that already trained the same drafter on the same data and settings for ``max_steps`` (then
+    nothing is trained or written).
 
     Raises:
         IncompleteRunError: no finished generate run to read.
@@ -246,6 +248,14 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     if not val_examples and d.val_fraction > 0 and main:
         log.warning("distill.val_fraction=%s of %d examples holds out none: no validation figures this run "
                     "(raise distill.val_fraction or generate more prompts)", d.val_fraction, len(examples))
+    key = resume_key(cfg, data_identity(gen_manifest, gen_dir, extra_dirs), target_res.fingerprint)
+    finished = parallel.from_main(lambda: find_finished(Path(cfg.outputs), key, d.max_steps)) \
+        if d.resume == "auto" else None
+    if finished is not None:  # training again would reproduce it: hours saved, e.g. when a sweep is re-run
+        if main:
+            print(f"distill: {finished} already trained this drafter on these data with these settings for "
+                  f"{d.max_steps} steps; not training again (distill.resume=never trains anyway)")
+        return finished
     inputs = {"generate": str(gen_dir), **({"extra_generate": [str(p) for p in extra_dirs]} if extra_dirs else {})}
     run = StageRun.start("distill", run_dir, config_yaml, inputs=inputs) if main else None
 
@@ -267,7 +277,6 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     draft_ids, draft_vocab = reduce_drafter_vocabulary(cfg, drafter, train_examples, val_examples,
                                                        eos_token_ids(drafter, drafter_tok))
 
-    key = resume_key(cfg, data_identity(gen_manifest, gen_dir, extra_dirs), target_res.fingerprint)
     lock = None
 
     def claim_run() -> tuple[Path | None, dict]:  # the main process only; the others get its answer

@@ -554,10 +554,55 @@ def test_pipeline_run_again_reuses_its_finished_distill_stage(tmp_path):
     again = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
                        cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"[2/4] distill: reusing {trained}" in again.stdout
+    assert f"distill: {trained} already trained" in again.stdout
     report = json.loads(Path(again.stdout.strip().splitlines()[-1]).read_text())
     assert report["drafter"]["path"] == str(trained / "drafter")
     # other settings, or distill.resume=never, train anew
     other = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
                        "distill.max_steps=9", cwd=tmp_path)
-    assert other.returncode == 0 and "reusing" not in other.stdout, other.stderr[-2000:]
+    assert other.returncode == 0 and "already trained" not in other.stdout, other.stderr[-2000:]
+
+
+def test_pipeline_reads_given_generate_and_distill_runs_instead_of_redoing_them(tiny_run, tmp_path):
+    root, pipeline = tiny_run
+    first = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent
+    out = tmp_path / "outputs"
+    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.generate={first / 'generate'}", f"outputs={out}",
+                      "evaluate.hf_assisted=false", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"[1/4] generate: using {first / 'generate'}" in proc.stdout
+    [run] = list((out / "pipeline").iterdir())
+    assert not (run / "generate").exists() and (run / "distill" / "COMPLETE").is_file()
+    report = json.loads((run / "evaluate" / "report.json").read_text())
+    assert report["stages"]["generate"]["given"] == str(first / "generate")
+    assert "distill" in report["stages"] and "given" not in report["stages"]["distill"]
+
+    # a given distill run brings its own generate run: neither stage runs
+    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.distill={run / 'distill'}", f"outputs={out}",
+                      "evaluate.hf_assisted=false", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"[1/4] generate: using {first / 'generate'}" in proc.stdout
+    assert f"[2/4] distill: using {run / 'distill'}" in proc.stdout
+    report = json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())
+    assert report["drafter"]["path"] == str(run / "distill" / "drafter")
+
+    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.evaluate={run / 'evaluate'}", f"outputs={out}",
+                      cwd=root)
+    assert proc.returncode == 2 and "drop it" in proc.stderr, proc.stderr[-1000:]
+    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.generate={tmp_path / 'nowhere'}", f"outputs={out}",
+                      cwd=root)
+    assert proc.returncode == 2 and "inputs.generate=" in proc.stderr, proc.stderr[-1000:]
+
+
+def test_distill_again_with_the_same_data_and_settings_does_not_train_again(tiny_run, tmp_path):
+    root, pipeline = tiny_run
+    gen = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
+    args = ("distill", "experiment=tiny", f"inputs.generate={gen}", "distill.max_steps=1", f"outputs={tmp_path}")
+    assert draftsmith(*args, cwd=root).returncode == 0
+    [trained] = [p.parent for p in tmp_path.glob("distill/*/COMPLETE")]
+    again = draftsmith(*args, cwd=root)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"distill: {trained} already trained" in again.stdout
+    assert list((tmp_path / "distill").iterdir()) == [trained]  # and no empty run folder
+    assert draftsmith(*args, "distill.resume=never", cwd=root).returncode == 0
+    assert len(list(tmp_path.glob("distill/*/COMPLETE"))) == 2
