@@ -191,3 +191,22 @@ def test_slurm_launcher_config_composes():
         cfg = compose(config_name="config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
     assert cfg.hydra.launcher.gpus_per_node == 1
+
+
+def test_help_piped_into_a_reader_that_stops_early_prints_no_traceback(tmp_path):
+    """`draftsmith pipeline --help | head -3`: the reader is gone before the help is written (`true` reads
+    nothing and exits while Python is still importing)."""
+    proc = subprocess.run(f"{sys.executable} -m distill.cli pipeline --help | true", shell=True, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("experiment, drafter, name, init", [
+    ("tiny", "tiny", "tiny-drafter", "sibling"),
+    ("quick", "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct", "sibling"),
+])
+def test_a_drafter_on_the_command_line_replaces_the_experiments_drafter(tmp_path, experiment, drafter, name, init):
+    proc = cli("pipeline", f"experiment={experiment}", f"drafter={drafter}", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    drafter_cfg = proc.stdout.split("\ndrafter:\n", 1)[1].split("\ndata:", 1)[0]
+    assert f"name: {name}" in drafter_cfg and f"init: {init}" in drafter_cfg and "num_layers: null" in drafter_cfg
