@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from decode.benchmark import benchmark, hf_assisted_defaults, run_target_alone
 from decode.quantization import QUANTIZATIONS, quantize_drafter, resolve_quantization
+from distill.errors import DraftsmithError
 from distill.models import eos_token_ids, load_model
 from distill.prompts import encode_prompt, load_prompts, split_prompts
 from distill.rundir import write_json_atomic, write_text_atomic
@@ -184,4 +186,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DraftsmithError as error:  # a model not installed, a bad folder: the message says what to do
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {error}")

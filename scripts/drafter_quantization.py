@@ -20,6 +20,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -123,4 +124,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DraftsmithError as error:  # a model not installed, a bad folder: the message says what to do
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {error}")

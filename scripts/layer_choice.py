@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from distill.drafters import cut_layers, describe_layers, select_layers
@@ -78,4 +79,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DraftsmithError as error:  # a model not installed, a bad folder: the message says what to do
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {error}")

@@ -390,6 +390,20 @@ def test_drafter_quantization_script_scores_the_variants(tmp_path):
     assert "| float32 | 1.000 |" in (tmp_path / "q" / "drafter_quantization.md").read_text()
 
 
+@pytest.mark.parametrize("script", ["benchmark_decoder.py", "drafter_quantization.py"])
+def test_scripts_name_a_model_that_is_not_there_without_a_traceback(tmp_path, script):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    extra = ["--generate", str(tmp_path / "gen")] if script == "drafter_quantization.py" else []
+    if extra:  # a finished generate run, so that the script gets as far as loading the target
+        proc = draftsmith("generate", "experiment=tiny", "generate.num_prompts=2", f"outputs={tmp_path}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        extra = ["--generate", str(next(tmp_path.glob("generate/*")))]
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--target", "no-such-model", *extra],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 1 and f"{script}: error: " in run.stderr and "no-such-model" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def _prompt_file(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
