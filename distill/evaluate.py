@@ -135,7 +135,11 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         DraftsmithError: the drafter was tuned for another target than ``target.name``.
     """
     distill_dir = resolve_input(cfg.inputs.distill, cfg.outputs, "distill")
-    gen_dir = Path(cfg.inputs.generate or read_manifest(distill_dir)["inputs"]["generate"])
+    if not cfg.inputs.distill:  # with reused runs the newest is not always the last command's: say which
+        print(f"evaluate: evaluating {distill_dir}, the newest finished distill run under {cfg.outputs} "
+              "(inputs.distill=<run> picks another)")
+    trained_on = Path(read_manifest(distill_dir)["inputs"]["generate"])
+    gen_dir = require_complete(cfg.inputs.generate, "generate") if cfg.inputs.generate else trained_on
     _, held_out, gen_manifest = load_generated(gen_dir)
     held_out = evaluation_prompts(cfg, held_out, gen_dir)  # a bad evaluate.prompts file fails here, before loading
     run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)})
@@ -152,12 +156,14 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
 
     eos = eos_token_ids(target, tokenizer)
     prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in held_out]
-    eval_set = {"source": str(cfg.evaluate.prompts) if cfg.evaluate.prompts else "held-out"}
-    if cfg.evaluate.prompts:
-        eval_set["seen_in_training"] = prompts_seen_in_training([p[2] for p in prompts], distill_dir)
-        if eval_set["seen_in_training"]:
-            print(f"evaluate: warning: {eval_set['seen_in_training']} of the {len(prompts)} prompts of "
-                  f"{cfg.evaluate.prompts} were in the data this drafter was distilled on: their figures flatter it")
+    eval_set = {"source": str(cfg.evaluate.prompts) if cfg.evaluate.prompts else "held-out",
+                **({} if cfg.evaluate.prompts or gen_dir == trained_on else {"generate": str(gen_dir)})}
+    # held-out prompts of another generate run (inputs.generate) may have been training prompts of this drafter
+    eval_set["seen_in_training"] = prompts_seen_in_training([p[2] for p in prompts], distill_dir)
+    if eval_set["seen_in_training"]:
+        print(f"evaluate: warning: {eval_set['seen_in_training']} of the {len(prompts)} prompts of "
+              f"{cfg.evaluate.prompts or gen_dir} were in the data this drafter was distilled on: their figures "
+              "flatter it (evaluate the generate run it was trained on, or name unseen prompts: evaluate.prompts=)")
     dec = cfg.decode
     decode_args = dict(max_new_tokens=dec.max_new_tokens, eos_token_ids=eos, temperature=dec.temperature,
                        top_k=dec.top_k, top_p=dec.top_p, seed=cfg.evaluate.seed,

@@ -62,12 +62,14 @@ def _training_data(report: dict[str, Any]) -> list[str]:
 def _eval_set(report: dict[str, Any]) -> str:
     """'held-out prompts', or the prompt file of ``evaluate.prompts`` and how many of its prompts were trained on."""
     eval_set = report.get("eval_prompts") or {}
-    if eval_set.get("source", "held-out") == "held-out":
-        return "held-out prompts"
     seen = eval_set.get("seen_in_training")
     overlap = ("overlap with the training data unknown (a training run folder is gone)" if seen is None else
                "none of them in the training data" if seen == 0 else
                f"**{seen} of them in the training data**, which flatters the distilled drafter")
+    if eval_set.get("source", "held-out") == "held-out":
+        if "generate" not in eval_set:  # the drafter's own generate run: its held-out prompts were never trained on
+            return "held-out prompts"
+        return f"held-out prompts of `{eval_set['generate']}` (`inputs.generate`; {overlap})"
     return f"prompts of `{eval_set['source']}` (`evaluate.prompts`; {overlap})"
 
 
@@ -162,7 +164,8 @@ def render_report_markdown(report: dict[str, Any]) -> str:
     if stages:
         lines += ["", "## Pipeline stages", "", "| stage | wall time (s) | process peak RSS so far (GiB) |", "|---|---|---|"]
         for name, fig in stages.items():
-            name = f"{name} (given: {fig['given']})" if fig.get("given") else name
+            name = (f"{name} (given: {fig['given']})" if fig.get("given") else
+                    f"{name} (reused: {fig['reused']}, not trained again)" if fig.get("reused") else name)
             lines.append(f"| {name} | {_fmt(fig.get('wall_s'), '{:.1f}')} | "
                          f"{_fmt((fig.get('peak_rss_bytes') or 0) / 2**30, '{:.2f}')} |")
     plots = report.get("plots") or []

@@ -176,19 +176,24 @@ def require_complete(path: str | Path, stage: str, key: str | None = None) -> Pa
     Raises:
         IncompleteRunError: the folder is missing, unfinished, or from another stage.
     """
-    path, key = Path(path), key or f"inputs.{stage}"
+    path, key = Path(path).expanduser().absolute(), key or f"inputs.{stage}"  # recorded in manifests: absolute
     if not path.is_dir():
         raise IncompleteRunError(f"{stage} run folder {path} does not exist: pass {key}=<folder of a finished {stage} run>")
     if not (path / MANIFEST).is_file() and (path / stage / MANIFEST).is_file():  # a pipeline's folder
         raise IncompleteRunError(f"{path} is a pipeline run, which holds one folder per stage: "
                                  f"pass {key}={path / stage}")
+    if not any((path / name).is_file() for name in (MANIFEST, "config.yaml")):  # StageRun.start wrote neither:
+        # a sweep folder, a drafter/ folder, ...: not a run at all
+        raise IncompleteRunError(f"{path} is not a {stage} run folder: pass "
+                                 f"{key}=<a finished {stage} run folder>, e.g. outputs/{stage}/<date>_<time>; "
+                                 f"quote a sweep job's folder for the shell and Hydra: \"{key}='<folder>'\"")
     if not is_complete(path):
         raise IncompleteRunError(
             f"{path} has no {COMPLETE} marker: that {stage} run did not finish. Re-run it with the same "
             f"command (it resumes), or pass {key}=<a finished run folder>")
     found = read_manifest(path).get("stage")
     if found != stage:
-        raise IncompleteRunError(f"{path} is a {found!r} run, not a {stage!r} run: pass {key}=<a {stage} run folder>")
+        raise IncompleteRunError(f"{path} is a run of stage {found!r}, not {stage!r}: pass {key}=<a {stage} run folder>")
     return path
 
 

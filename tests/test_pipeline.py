@@ -292,6 +292,10 @@ def test_incomplete_input_is_refused(tmp_path):
     bad.mkdir()
     proc = draftsmith("distill", "experiment=tiny", f"outputs={tmp_path}/outputs", f"inputs.generate={bad}",
                       cwd=tmp_path)
+    assert proc.returncode == 2 and "is not a generate run folder" in proc.stderr, proc.stderr[-1000:]
+    (bad / "config.yaml").write_text("stage: generate\n")  # started (StageRun.start), never finished
+    proc = draftsmith("distill", "experiment=tiny", f"outputs={tmp_path}/outputs", f"inputs.generate={bad}",
+                      cwd=tmp_path)
     assert proc.returncode == 2
     assert "COMPLETE" in proc.stderr and "did not finish" in proc.stderr
 
@@ -569,8 +573,10 @@ def test_pipeline_run_again_reuses_its_finished_distill_stage(tmp_path):
                        cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"distill: {trained} already trained" in again.stdout
-    report = json.loads(Path(again.stdout.strip().splitlines()[-1]).read_text())
-    assert report["drafter"]["path"] == str(trained / "drafter")
+    report_path = Path(again.stdout.strip().splitlines()[-1])
+    report = json.loads(report_path.read_text())
+    assert report["drafter"]["path"] == str(trained / "drafter") and report["stages"]["distill"]["reused"] == str(trained)
+    assert f"distill (reused: {trained}, not trained again)" in report_path.with_name("report.md").read_text()
     # other settings, or distill.resume=never, train anew
     other = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
                        "distill.max_steps=9", cwd=tmp_path)
@@ -581,8 +587,8 @@ def test_pipeline_reads_given_generate_and_distill_runs_instead_of_redoing_them(
     root, pipeline = tiny_run
     first = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent
     out = tmp_path / "outputs"
-    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.generate={first / 'generate'}", f"outputs={out}",
-                      "evaluate.hf_assisted=false", cwd=root)
+    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.generate={first.relative_to(root) / 'generate'}",
+                      f"outputs={out}", "evaluate.hf_assisted=false", cwd=root)  # a relative path: recorded absolute
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"[1/4] generate: using {first / 'generate'}" in proc.stdout
     [run] = list((out / "pipeline").iterdir())
@@ -620,3 +626,30 @@ def test_distill_again_with_the_same_data_and_settings_does_not_train_again(tiny
     assert list((tmp_path / "distill").iterdir()) == [trained]  # and no empty run folder
     assert draftsmith(*args, "distill.resume=never", cwd=root).returncode == 0
     assert len(list(tmp_path.glob("distill/*/COMPLETE"))) == 2
+
+
+def test_held_out_prompts_of_another_generate_run_are_checked_against_the_training_data(tiny_run, tmp_path):
+    """inputs.generate=<another run> for evaluate: its held-out prompts may be this drafter's training prompts."""
+    from datasets import load_from_disk
+    from distill.prompts import load_prompts
+
+    root, pipeline = tiny_run
+    first = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent
+    trained_ids = set(load_from_disk(str(first / "generate" / "dataset"))["prompt_id"])
+    trained = [p for p in load_prompts("humaneval") if p.id in trained_ids]
+    prompts = _prompt_file(tmp_path / "trained.jsonl", [{"id": p.id, "messages": p.messages} for p in trained])
+    proc = draftsmith("generate", "experiment=tiny", "data=file", f"data.path={prompts}", "evaluate.num_prompts=2",
+                      f"generate.num_prompts={len(trained) - 2}", f"outputs={tmp_path}/gen", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [other] = [p.parent for p in (tmp_path / "gen").glob("generate/*/COMPLETE")]
+    proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={first / 'distill'}", f"inputs.generate={other}",
+                      "evaluate.hf_assisted=false", f"outputs={tmp_path}/eval", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 of the 2 prompts" in proc.stdout
+    [report_path] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
+    report = json.loads(report_path.read_text())
+    assert report["eval_prompts"] == {"source": "held-out", "generate": str(other), "seen_in_training": 2}
+    assert "**2 of them in the training data**" in (report_path.parent / "report.md").read_text()
+    # the drafter's own generate run: nothing seen, and the report says plainly "held-out prompts"
+    own = json.loads((first / "evaluate" / "report.json").read_text())
+    assert own["eval_prompts"] == {"source": "held-out", "seen_in_training": 0}
