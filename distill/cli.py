@@ -261,6 +261,29 @@ def _refuse_bad_sweep_values(stage: str, flags: list[str], overrides: list[str],
                 return
 
 
+# What a pipeline given a finished run (inputs.<stage>) no longer does: settings of these groups would not apply.
+_SKIPPED_BY_GIVEN_RUN = {"generate": ("generate", "data"), "distill": ("generate", "data", "distill", "drafter")}
+
+
+def _refuse_settings_of_given_runs(stage: str, overrides: list[str]) -> None:
+    """Exit 2 when a pipeline is given a finished run (``inputs.generate``/``inputs.distill``) and also settings of
+    the stages it then skips (``distill.lr=...`` beside ``inputs.distill=...``): they would be recorded in the
+    run's config but change nothing, and a sweep over them would show a difference that is only noise."""
+    if stage != "pipeline":
+        return
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+    given = [name for name in _SKIPPED_BY_GIVEN_RUN if f"inputs.{name}" in keys]
+    if not given:
+        return
+    skipped = set(_SKIPPED_BY_GIVEN_RUN[given[-1]])  # inputs.distill skips the most
+    unused = [k for k in keys if k.split(".", 1)[0].split("@", 1)[0] in skipped]
+    if unused:
+        print(f"draftsmith pipeline: config error: inputs.{given[-1]}=<run> reuses that finished run, so "
+              f"{', '.join(unused)} would change nothing: drop {'it' if len(unused) == 1 else 'them'}, or drop "
+              f"inputs.{given[-1]} to run that stage with these settings", file=sys.stderr)
+        sys.exit(2)
+
+
 def _refuse_unwritable_outputs(stage: str, overrides: list[str]) -> None:
     """Exit 2 with a message when ``outputs=`` is a file or lies where nothing can be written (Hydra would
     otherwise fail creating the run folder with a traceback)."""
@@ -315,6 +338,7 @@ def _main(argv: list[str] | None) -> None:
     flags, overrides = _split_flags(rest)
     _refuse_scalars_for_lists(stage, overrides)
     _refuse_unwritable_outputs(stage, overrides)
+    _refuse_settings_of_given_runs(stage, overrides)
     _refuse_bad_sweep_values(stage, flags, overrides)
     if parallel.world_size() > 1:  # torchrun / accelerate launch: N processes, one distill run
         _refuse_in_parallel(stage, flags)

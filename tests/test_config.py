@@ -210,3 +210,19 @@ def test_a_drafter_on_the_command_line_replaces_the_experiments_drafter(tmp_path
     assert proc.returncode == 0, proc.stderr
     drafter_cfg = proc.stdout.split("\ndrafter:\n", 1)[1].split("\ndata:", 1)[0]
     assert f"name: {name}" in drafter_cfg and f"init: {init}" in drafter_cfg and "num_layers: null" in drafter_cfg
+
+
+@pytest.mark.parametrize("given, setting", [
+    ("inputs.distill=x", "distill.lr=1e-3,2e-3"),
+    ("inputs.distill=x", "drafter=pruned"),
+    ("inputs.generate=x", "data=sharegpt"),
+    ("inputs.generate=x", "generate.num_prompts=5"),
+])
+def test_a_pipeline_given_a_run_refuses_settings_of_the_stage_it_skips(tmp_path, given, setting):
+    proc = cli("pipeline", "experiment=tiny", given, setting, f"outputs={tmp_path}", cwd=tmp_path)
+    key = setting.split("=")[0]
+    assert proc.returncode == 2 and f"{key} would change nothing" in proc.stderr, proc.stderr
+    # settings of the stages that still run are fine (here the missing folder is what stops it)
+    ok = cli("pipeline", "experiment=tiny", given, "decode.draft_length=2", "evaluate.num_prompts=1",
+             f"outputs={tmp_path}", cwd=tmp_path)
+    assert "would change nothing" not in ok.stderr and "does not exist" in ok.stderr, ok.stderr
