@@ -102,7 +102,6 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """
     run_dir = Path(run_dir)
     given = given_runs(cfg)
-    reused = None  # a finished distill run returned instead of training again
     folders = {name: given.get(name, run_dir / name) for name in ("generate", "distill", "evaluate", "export")}
     inputs = dataclasses.replace(cfg.inputs, generate=str(folders["generate"]), distill=str(folders["distill"]),
                                  evaluate=str(folders["evaluate"]))
@@ -123,7 +122,7 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         # a re-run after a later stage failed gets the finished run back (distill.resume=auto): no retraining
         trained = run_distill(staged, folders["distill"], config_yaml)
         if trained != folders["distill"]:
-            folders["distill"] = reused = trained
+            folders["distill"] = trained
             staged = dataclasses.replace(staged, inputs=dataclasses.replace(staged.inputs, distill=str(trained)))
         _release_memory()
     print(f"[3/4] evaluate -> {folders['evaluate']}")
@@ -134,7 +133,8 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     report = json.loads(report_path.read_text())
     report["stages"] = {name: {**{k: read_manifest(folder).get(k) for k in ("wall_s", "peak_rss_bytes")},
                                **({"given": str(folder)} if name in given else {}),
-                               **({"reused": str(folder)} if name == "distill" and reused else {})}
+                               # not given, yet elsewhere: a finished run returned instead of training again
+                               **({"reused": str(folder)} if name not in given and folder != run_dir / name else {})}
                         for name, folder in folders.items()}
     report["export"] = str(exported)
     write_json_atomic(report_path, report)
