@@ -185,6 +185,89 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
+_PATH_KEYS = ("outputs", "inputs.")  # values that are folders: a leading ~ is the user's home
+
+
+def _readable_overrides(stage: str, overrides: list[str], multirun: bool = False) -> list[str]:
+    """Overrides as Hydra can read them. A folder such as ``inputs.distill=~/runs/x`` or a sweep job's
+    ``.../3_distill.lr=1e-4`` trips Hydra's grammar (``~`` and ``=`` are operators there), so a value Hydra
+    cannot parse is quoted (with ``-m``, each comma-separated item: a sweep over folders), which cannot change the meaning of any
+    override Hydra accepts; ``~`` at the start of a folder value is expanded. Exit 2 with what to write when
+    quoting does not help either."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+
+    def parses(text: str) -> bool:
+        try:
+            parser.parse_overrides([text])
+            return True
+        except OverrideParseException:
+            return False
+
+    readable = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key.lstrip("+~").startswith(_PATH_KEYS) and value.startswith("~"):
+            value = ",".join(os.path.expanduser(item) for item in value.split(","))
+            override = f"{key}={value}"
+        if sep and not parses(override) and not any(ch in value for ch in "'\"[]{}"):
+            whole, items = f"{key}='{value}'", f"{key}=" + ",".join(f"'{item}'" for item in value.split(","))
+            for candidate in ((items, whole) if multirun else (whole, items)):
+                if parses(candidate):
+                    override = candidate
+                    break
+        if not parses(override):
+            try:
+                parser.parse_overrides([override])
+            except OverrideParseException as err:
+                reason = str(err).splitlines()[0]
+            print(f"draftsmith {stage}: config error: cannot read {override!r} ({reason}); write key=value, and "
+                  f"put a value with spaces, quotes, brackets or ',' in quotes: \"key='value'\" "
+                  f"(https://hydra.cc/docs/advanced/override_grammar/basic/)", file=sys.stderr)
+            sys.exit(2)
+        readable.append(override)
+    return readable
+
+
+def _refuse_unknown_keys(stage: str, overrides: list[str]) -> None:
+    """Exit 2 naming the closest real key when an override's key is not in the config (``distill.lrr=1``,
+    ``distill.draft_length=4``); Hydra's own message says only that the key is not in the struct."""
+    import dataclasses
+    import difflib
+
+    from distill.config import Config
+
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    all_keys = []  # every dotted key, for a key written under the wrong section
+    for name, cls in ((f.name, f.default_factory) for f in dataclasses.fields(Config)
+                      if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)):
+        all_keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        key = key.lstrip("+")
+        if not sep or key.startswith(("~", "hydra")) or "@" in key or key in groups:
+            continue
+        cls, parts = Config, key.split(".")
+        for depth, part in enumerate(parts):
+            if cls is None:
+                break  # inside a free-form value (a list, a dict): no schema to check against
+            known = {f.name: f for f in dataclasses.fields(cls)}
+            if part not in known:
+                prefix = ".".join(parts[:depth])
+                near = [f"{prefix}.{m}" if prefix else m for m in difflib.get_close_matches(part, known, n=2, cutoff=0.6)]
+                if depth:  # the same key under another section (distill.draft_length for decode.draft_length)
+                    near += [k for k in all_keys if k.endswith(f".{part}") and k != key and k not in near]
+                    near += [m for m in difflib.get_close_matches(key, all_keys, n=2, cutoff=0.8) if m not in near]
+                hint = f"did you mean {' or '.join(near)}? " if near else ""
+                print(f"draftsmith {stage}: config error: unknown key {key}: {hint}(`draftsmith {stage} --cfg job` "
+                      f"lists every key)", file=sys.stderr)
+                sys.exit(2)
+            factory = known[part].default_factory
+            cls = factory if dataclasses.is_dataclass(factory) else None
+
+
 def _list_keys(cls=None, prefix: str = "") -> dict[str, bool]:
     """Dotted keys of the config whose values are lists (e.g. ``drafter.layers``), each with whether
     it may be null."""
@@ -336,6 +419,8 @@ def _main(argv: list[str] | None) -> None:
     datasets.disable_progress_bars()
     register_configs()
     flags, overrides = _split_flags(rest)
+    overrides = _readable_overrides(stage, overrides, multirun=bool({"-m", "--multirun"} & set(flags)))
+    _refuse_unknown_keys(stage, overrides)
     _refuse_scalars_for_lists(stage, overrides)
     _refuse_unwritable_outputs(stage, overrides)
     _refuse_settings_of_given_runs(stage, overrides)

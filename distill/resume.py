@@ -40,9 +40,26 @@ LOG = "log.jsonl"  # distill.tracking.JsonlLogger's file
 _NOT_IN_KEY = ("max_steps", "checkpoint_every", "resume", "keep_checkpoints", "validate_every")
 
 
+def _unused_settings(distill: dict) -> set[str]:
+    """Distill settings that the others make moot (``jsd_beta`` with ``loss=fkl``): left out of the key, so
+    that writing one of them does not retrain a finished run."""
+    unused = set()
+    if distill["loss"] != "jsd":
+        unused.add("jsd_beta")
+    if distill["method"] not in ("lora", "qlora"):
+        unused |= {"lora_r", "lora_alpha", "lora_dropout"}
+    if distill["method"] != "full":
+        unused.add("freeze_embeddings")
+    if not distill["on_policy_fraction"]:
+        unused.add("on_policy_temperature")
+    return unused
+
+
 def resume_key(cfg: Config, data_identity: str, target_fingerprint: str) -> str:
-    """Hash of everything that decides the training trajectory (see the module docstring)."""
-    distill = {k: v for k, v in asdict(cfg.distill).items() if k not in _NOT_IN_KEY}
+    """Hash of everything that decides the training trajectory (see the module docstring); settings that
+    the others make moot (``jsd_beta`` unless ``loss=jsd``, the LoRA ones with ``method=full``) are left out."""
+    distill = asdict(cfg.distill)
+    distill = {k: v for k, v in distill.items() if k not in _NOT_IN_KEY and k not in _unused_settings(distill)}
     blob = json.dumps({"data": data_identity, "target": target_fingerprint, "drafter": asdict(cfg.drafter),
                        "distill": distill}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]

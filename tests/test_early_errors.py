@@ -50,3 +50,33 @@ def test_a_bad_value_in_a_sweep_stops_it_before_the_first_job(tmp_path):
     proc = cli("pipeline", "-m", "experiment=tiny", f"outputs={tmp_path}/out", "distill.lr=1e-3,0", cwd=tmp_path)
     assert proc.returncode == 2 and "job distill.lr=0" in proc.stderr, proc.stderr[-1000:]
     assert "no job was started" in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("distill.lrr=1e-4", "did you mean distill.lr"),
+    ("distill.draft_length=4", "did you mean decode.draft_length"),
+    ("outptus=x", "did you mean outputs?"),
+])
+def test_a_misspelt_key_names_the_closest_real_one(tmp_path, override, suggestion):
+    proc = cli("distill", "experiment=tiny", override, f"outputs={tmp_path}/out", cwd=tmp_path)
+    assert proc.returncode == 2 and suggestion in proc.stderr, proc.stderr[-1000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_folder_values_that_trip_hydras_grammar_are_read_as_folders(tmp_path, monkeypatch):
+    # '~' and '=' are operators in Hydra's override grammar; a sweep job's folder name holds '='
+    monkeypatch.setenv("HOME", str(tmp_path))
+    proc = cli("evaluate", "experiment=tiny", "inputs.distill=~/runs/3_distill.lr=1e-4", f"outputs={tmp_path}/out",
+               cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-1000:]
+    assert f"distill run folder {tmp_path}/runs/3_distill.lr=1e-4 does not exist" in proc.stderr, proc.stderr[-1000:]
+    # with -m, a comma separates the sweep's folders
+    proc = cli("evaluate", "-m", "experiment=tiny", "inputs.distill=a/x=1,b/y=2", f"outputs={tmp_path}/out",
+               cwd=tmp_path)
+    assert f"distill run folder {tmp_path}/a/x=1 does not exist" in proc.stderr, proc.stderr[-1000:]
+
+
+def test_an_override_hydra_cannot_read_says_how_to_quote(tmp_path):
+    proc = cli("distill", "experiment=tiny", "distill.lr=[1,", cwd=tmp_path)
+    assert proc.returncode == 2 and "cannot read 'distill.lr=[1,'" in proc.stderr, proc.stderr[-1000:]
+    assert "in quotes" in proc.stderr and "Traceback" not in proc.stderr

@@ -44,6 +44,20 @@ def test_resume_key_ignores_only_the_length_of_training():
     assert key != resume_key(base, "data-a", "other-target")
 
 
+def test_resume_key_leaves_out_settings_that_others_make_moot():
+    # experiment=tiny trains with loss=fkl and method=full: jsd_beta and the LoRA settings change nothing
+    base = _compose("experiment=tiny")
+    assert (base.distill.loss, base.distill.method) == ("fkl", "full")
+    key = resume_key(base, "data-a", "fp")
+    moot = _compose("experiment=tiny", "distill.jsd_beta=0.9", "distill.lora_r=4", "distill.on_policy_temperature=0.5")
+    assert resume_key(moot, "data-a", "fp") == key
+    # ... and count once they apply
+    jsd = resume_key(_compose("experiment=tiny", "distill.loss=jsd"), "data-a", "fp")
+    assert jsd != key
+    assert resume_key(_compose("experiment=tiny", "distill.loss=jsd", "distill.jsd_beta=0.9"), "data-a", "fp") != jsd
+    assert resume_key(_compose("experiment=tiny", "distill.freeze_embeddings=false"), "data-a", "fp") != key
+
+
 def test_find_resumable_picks_the_newest_unfinished_run_with_the_key(tmp_path):
     _fake_run(tmp_path, "a", "k1")
     time.sleep(0.01)
