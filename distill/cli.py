@@ -16,11 +16,13 @@ from typing import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from distill import parallel
 from distill.config import STAGES, register_configs, to_config
 from distill.errors import ConfigError, DraftsmithError
+from distill.rundir import REUSED, write_json_atomic
 from distill.tracking import check_logger
 
 # conf/ sits at the project root (the user's layout), so draftsmith runs from a source checkout
@@ -62,8 +64,12 @@ def run_stage(cfg: DictConfig, run_dir: Path) -> float | None:
     if config.stage == "distill":
         from distill.train_stage import run_distill
 
-        if run_distill(config, run_dir, config_yaml) != run_dir:  # an earlier run already did it: no empty folder
-            _remove_if_unused(run_dir, config.stage)
+        finished = run_distill(config, run_dir, config_yaml)
+        if finished != run_dir:  # an earlier run already did it
+            if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweep's job folder says where its result is
+                write_json_atomic(run_dir / REUSED, {"distill_run": str(Path(finished).absolute())})
+            else:  # no empty folder
+                _remove_if_unused(run_dir, config.stage)
         return None
     if config.stage == "evaluate":
         from distill.evaluate import run_evaluate
@@ -103,9 +109,14 @@ def _speedup(report_path: Path) -> float | None:
 
 
 def _remove_if_unused(run_dir: Path, stage: str) -> None:
-    """Delete ``run_dir`` if it holds only what Hydra put there (its config copy and the log)."""
+    """Delete ``run_dir`` if it holds only what Hydra put there (its config copy and the log), and its stage
+    folder (``outputs/<stage>``) if that is then empty."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", f"{stage}.log"}:
         shutil.rmtree(run_dir, ignore_errors=True)
+        try:
+            run_dir.parent.rmdir()  # only succeeds when empty: the first run of this stage was refused
+        except OSError:
+            pass
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

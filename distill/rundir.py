@@ -169,6 +169,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / MANIFEST).read_text())
 
 
+REUSED = "reused.json"  # in a sweep's job folder: {"<stage>_run": the finished run that the job returned}
+
+
 def require_complete(path: str | Path, stage: str, key: str | None = None) -> Path:
     """Check that ``path`` is a finished run folder of ``stage``; ``key`` names the config key in errors
     (default ``inputs.<stage>``).
@@ -177,6 +180,8 @@ def require_complete(path: str | Path, stage: str, key: str | None = None) -> Pa
         IncompleteRunError: the folder is missing, unfinished, or from another stage.
     """
     path, key = Path(path).expanduser().absolute(), key or f"inputs.{stage}"  # recorded in manifests: absolute
+    if (path / REUSED).is_file():  # a sweep job that found its run already finished: that run
+        path = Path(json.loads((path / REUSED).read_text())[f"{stage}_run"])
     if not path.is_dir():
         raise IncompleteRunError(f"{stage} run folder {path} does not exist: pass {key}=<folder of a finished {stage} run>")
     if not (path / MANIFEST).is_file() and (path / stage / MANIFEST).is_file():  # a pipeline's folder

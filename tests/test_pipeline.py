@@ -627,6 +627,21 @@ def test_distill_again_with_the_same_data_and_settings_does_not_train_again(tiny
     assert draftsmith(*args, "distill.resume=never", cwd=root).returncode == 0
     assert len(list(tmp_path.glob("distill/*/COMPLETE"))) == 2
 
+    # a sweep run again: each job folder names the finished run it found, and evaluate reads that folder
+    sweep = ("distill", "-m", "experiment=tiny", f"inputs.generate={gen}", "distill.max_steps=1", "distill.lr=1e-3,2e-3",
+             f"outputs={tmp_path}/sweeps")
+    assert draftsmith(*sweep, cwd=root).returncode == 0
+    again = draftsmith(*sweep, cwd=root)
+    assert again.returncode == 0 and again.stdout.count("already trained") == 2, again.stderr[-2000:]
+    first_sweep, second_sweep = sorted((tmp_path / "sweeps" / "multirun" / "distill").iterdir())
+    job = next(second_sweep.glob("0_*"))
+    assert json.loads((job / "reused.json").read_text()) == {"distill_run": str(next(first_sweep.glob("0_*")))}
+    proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={job}", "evaluate.hf_assisted=false",
+                      "evaluate.baseline=false", f"outputs={tmp_path}", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())["drafter"]["path"] == str(
+        next(first_sweep.glob("0_*")) / "drafter")
+
 
 def test_held_out_prompts_of_another_generate_run_are_checked_against_the_training_data(tiny_run, tmp_path):
     """inputs.generate=<another run> for evaluate: its held-out prompts may be this drafter's training prompts."""
