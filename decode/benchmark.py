@@ -14,6 +14,7 @@ prompt (an approximation, also used for HF assisted generation).
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
 import time
 import warnings
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 from transformers import StopStringCriteria, StoppingCriteriaList
+from transformers.utils import logging as hf_logging
 
 from decode.draft_length import choose_draft_length
 from decode.metrics import DecodeStats, theoretical_speedup
@@ -133,6 +135,15 @@ def _hf_kwargs(*, max_new_tokens, eos_token_ids, temperature, top_k=0, top_p=1.0
     if stop_strings:
         kwargs.update(stop_strings=list(stop_strings), tokenizer=tokenizer)
     return kwargs
+
+
+def _drop_assistant_config_notice(record: logging.LogRecord) -> bool:
+    """False for transformers' own notice, raised by its candidate generator calling the assistant's
+    ``generate`` with both a generation config and arguments (transformers 5.x): nothing a user can change."""
+    return "Passing `generation_config` together with generation-related" not in record.getMessage()
+
+
+hf_logging.get_logger("transformers.generation.utils").addFilter(_drop_assistant_config_notice)
 
 
 @torch.inference_mode()
@@ -439,7 +450,7 @@ def benchmark(
                 **calibration["draft_length_choice"]}
         draft_length, schedule = auto["best_draft_length"], "constant"
         notes.append(f"auto draft length: K = {draft_length} chosen from a calibration at K = {calibration_k} "
-                     f"on {len(prompts[:2])} of these prompts (rule of thumb K = accuracy x 5 says "
+                     f"on {len(prompts[:2])} of these prompts (rule of thumb K = max(2, int(accuracy x 5)) says "
                      f"{auto['rule_of_thumb']})")
     spec_args = dict(draft_length=draft_length, schedule=schedule, max_draft_length=max_draft_length,
                      confidence_threshold=confidence_threshold)

@@ -85,7 +85,7 @@ def render_check_markdown(result: dict[str, Any]) -> str:
         f"| measured speedup at K = {result['draft_length']} (decode tokens/s vs target alone) | "
         f"{result['measured_speedup']:.2f}x |",
         f"| recommended K (expected speedup) | {choice['best_draft_length']} |",
-        f"| article's rule of thumb K = accuracy x 5 | {choice['rule_of_thumb']} |",
+        f"| article's rule of thumb K = max(2, int(accuracy x 5)) | {choice['rule_of_thumb']} |",
         "", "| K | " + " | ".join(str(k) for k in by_k) + " |", "|---|" + "---|" * len(by_k),
         "| expected speedup | " + " | ".join(f"{v:.2f}x" for v in by_k.values()) + " |",
         "", f"**Verdict:** {result['verdict']}", "",

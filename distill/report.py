@@ -134,7 +134,7 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Choice of draft length K (distilled drafter)", "",
                   f"Recommended K = {choice.get('best_draft_length')} from the measured per-position acceptance, "
                   f"c = {_fmt(choice.get('cost_ratio'), '{:.3f}')} and the measured verification cost; the "
-                  f"article's rule of thumb K = accuracy x 5 gives K = {choice.get('rule_of_thumb')}. "
+                  f"article's rule of thumb K = max(2, int(accuracy x 5)) gives K = {choice.get('rule_of_thumb')}. "
                   + (f"Acceptance was measured up to position {choice['measured_positions']}; larger K "
                      f"extrapolate it with the mean measured value (use decode.schedule=auto to measure them). "
                      if choice.get("measured_positions") else "")
