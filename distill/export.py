@@ -68,6 +68,25 @@ def _data(info: dict[str, Any]) -> str:
             f"{data['val_examples']:,} held out for validation)")
 
 
+def _speed_caveats(report: dict[str, Any]) -> list[str]:
+    """Lines that say when the card's speedups are not to be trusted: the machine was busy while measuring,
+    or a measured speedup is far from what the cost model (Leviathan et al. 2023, Thm 3.8) predicts."""
+    notes = []
+    target = report.get("target_tokens_per_s")
+    if target:
+        notes.append(f"Speedups are the machine's own: the target alone ran at {target:.2f} tokens/s there.")
+    busy = report.get("cpu_busy_before")
+    if busy is not None and busy > 0.25:
+        notes.append(f"**The machine was busy while measuring** (other processes used {busy:.0%} of its CPUs): "
+                     "the speedups are low or noisy; acceptance rates are not affected.")
+    for who, figures in (("undistilled drafter's", report.get("baseline_drafter") or {}), ("distilled drafter's", report)):
+        ratio = figures.get("measured_over_theoretical")
+        if ratio is not None and not 0.5 <= ratio <= 2.0:
+            notes.append(f"**The {who} speedup is {ratio:.1f}x what the cost model predicts** from its acceptance "
+                         "and cost ratio: a noisy measurement; re-run `draftsmith evaluate` on an idle machine.")
+    return notes + ([""] if notes else [])
+
+
 def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
     """The exported folder's README.md: what the drafter is for and what it measured."""
     lines = [
@@ -93,6 +112,7 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
             f"| mean accepted tokens per target forward (incl. bonus) | {base.get('mean_accepted_tokens', float('nan')):.2f} "
             f"| {report['mean_accepted_tokens']:.2f} |",
             f"| speedup vs target alone | {base.get('speedup', float('nan')):.2f}x | {report['speedup']:.2f}x |", "",
+            *_speed_caveats(report),
         ]
     else:
         lines += ["No evaluation report was found for this drafter: run `draftsmith evaluate` to measure it.", ""]

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.errors import ConfigError, ModelIntegrityError, ModelNotFoundError
+from distill.rundir import make_shareable
 
 logger = logging.getLogger(__name__)
 
@@ -394,7 +395,7 @@ def _cached(cache_dir: Path, key: str, build: Callable[[Path], None], meta: dict
         try:
             build(tmp)
             (tmp / MARKER).write_text(json.dumps({**meta, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
-            _make_shareable(tmp)
+            make_shareable(tmp)
             if final.exists():  # left by a crash before the marker existed: incomplete
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -402,15 +403,6 @@ def _cached(cache_dir: Path, key: str, build: Callable[[Path], None], meta: dict
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
-
-
-def _make_shareable(folder: Path) -> None:
-    # mkdtemp creates 0700 and safetensors files come out 0600; the cache is shared.
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for child in folder.iterdir():
-        child.chmod(0o666 & ~umask)
 
 
 @contextlib.contextmanager

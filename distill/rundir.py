@@ -30,6 +30,25 @@ MANIFEST = "manifest.json"
 _VERSIONED = ("torch", "transformers", "datasets", "peft", "accelerate", "hydra-core", "draftsmith")
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def make_shareable(path: Path) -> None:
+    """Give ``path`` (a file, or a folder and everything in it) the modes a plain write would: ``mkstemp``
+    and ``mkdtemp`` create 0600/0700, and safetensors writes 0600, so an atomically written export would
+    otherwise be unreadable to other users (a serving account, a container)."""
+    path, umask = Path(path), _umask()
+    if path.is_file():
+        path.chmod(0o666 & ~umask)
+        return
+    path.chmod(0o777 & ~umask)
+    for child in path.rglob("*"):
+        child.chmod((0o777 if child.is_dir() else 0o666) & ~umask)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
     path = Path(path)
@@ -40,6 +59,7 @@ def write_text_atomic(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        make_shareable(Path(tmp))
         os.replace(tmp, path)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
@@ -104,6 +124,7 @@ def atomic_dir(final: Path, needed_bytes: int | None = None) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
     try:
         yield tmp
+        make_shareable(tmp)
         os.replace(tmp, final)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)

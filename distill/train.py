@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, Sampler
 from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out_of_memory_bytes
 from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
 from distill.reduced_vocab import draft_vocabulary_of, restrict_logits
-from distill.rundir import require_free_space
+from distill.rundir import make_shareable, require_free_space
 
 log = logging.getLogger(__name__)
 
@@ -768,6 +768,7 @@ def _save_checkpoint(run: _Run, output_dir: Path, *, step: int, examples_seen: i
         if validation_before:
             state["validation_before"] = validation_before
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
+        make_shareable(tmp)  # safetensors writes 0600
         if final.exists():
             old = output_dir / f".checkpoint-{step}.old"
             shutil.rmtree(old, ignore_errors=True)

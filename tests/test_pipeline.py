@@ -85,6 +85,27 @@ def test_export_loads_with_from_pretrained(tiny_run):
            f"{manifest['num_val_examples']} held out for validation)" in card
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)
+    report = json.loads((run / "evaluate" / "report.json").read_text())
+    assert f"the target alone ran at {report['target_tokens_per_s']:.2f} tokens/s" in card
+    # readable by other users (a serving account), whatever mkdtemp and safetensors made
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in [exported, *exported.rglob("*")])
+
+
+def test_the_model_card_says_when_its_speedups_are_not_to_be_trusted():
+    from distill.export import model_card
+
+    info = {"target_name": "t", "base_name": "b", "init": "sibling", "method": "lora", "loss": "fkl",
+            "target_fingerprint": "f"}
+    report = {"engine": "e", "draft_length": 3, "decode": {}, "num_prompts": 3, "acceptance_rate": 0.06,
+              "mean_accepted_tokens": 1.1, "speedup": 0.3, "target_tokens_per_s": 5.0, "cpu_busy_before": 0.46,
+              "measured_over_theoretical": 0.9, "baseline_drafter": {"acceptance_rate": 0.05, "mean_accepted_tokens": 1.1,
+                                                                     "speedup": 6.7, "measured_over_theoretical": 22.8}}
+    card = model_card(info, report)
+    assert "The machine was busy while measuring** (other processes used 46% of its CPUs)" in card
+    assert "The undistilled drafter's speedup is 22.8x what the cost model predicts" in card
+    assert "distilled drafter's speedup" not in card.replace("undistilled", "")  # 0.9: within reason
+    calm = model_card(info, {**report, "cpu_busy_before": 0.01, "baseline_drafter": {}})
+    assert "busy" not in calm and "cost model predicts" not in calm
 
 
 def test_export_works_as_transformers_assistant_model(tiny_run):
