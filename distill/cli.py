@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from distill import parallel
 from distill.config import STAGES, register_configs, to_config
 from distill.errors import ConfigError, DraftsmithError
-from distill.rundir import REUSED, write_json_atomic
+from distill.rundir import REUSED, write_json_atomic, write_text_atomic
 from distill.tracking import check_logger
 
 # conf/ sits at the project root (the user's layout), so draftsmith runs from a source checkout
@@ -30,7 +31,7 @@ from distill.tracking import check_logger
 _ROOT_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONF_DIR = _ROOT_CONF if _ROOT_CONF.is_dir() else Path(__file__).resolve().parent / "conf"
 
-USAGE = f"""usage: draftsmith <stage> [key=value ...] [-m key=a,b ...] [--help] [--cfg job]
+USAGE = f"""usage: draftsmith <stage> [key=value ...] [-m key=a,b ...] [--help] [--cfg job]   (draftsmith --version)
 
 stages:
   generate   the target answers training prompts (a datasets dataset on disk)
@@ -128,8 +129,13 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             return None
         return run_stage(cfg, run_dir)
     except DraftsmithError as err:
-        _remove_if_unused(run_dir, cfg.stage)  # a refused run wrote nothing of its own: leave no empty folder
         kind = "config error" if isinstance(err, ConfigError) else "error"
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweep's job: `gather` shows why it failed
+            from distill.gather import ERROR_FILE
+
+            write_text_atomic(run_dir / ERROR_FILE, f"{kind}: {err}\n")
+        else:
+            _remove_if_unused(run_dir, cfg.stage)  # a refused run wrote nothing of its own: leave no empty folder
         print(f"draftsmith {cfg.stage}: {kind}: {err}", file=sys.stderr)
         sys.exit(2)
 
@@ -196,14 +202,13 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-_PATH_KEYS = ("outputs", "inputs.")  # values that are folders: a leading ~ is the user's home
 
 
 def _readable_overrides(stage: str, overrides: list[str], multirun: bool = False) -> list[str]:
     """Overrides as Hydra can read them. A folder such as ``inputs.distill=~/runs/x`` or a sweep job's
     ``.../3_distill.lr=1e-4`` trips Hydra's grammar (``~`` and ``=`` are operators there), so a value Hydra
     cannot parse is quoted (with ``-m``, each comma-separated item: a sweep over folders), which cannot change the meaning of any
-    override Hydra accepts; ``~`` at the start of a folder value is expanded. Exit 2 with what to write when
+    override Hydra accepts; a value (or sweep item) starting with ``~/`` is expanded to the home folder. Exit 2 with what to write when
     quoting does not help either."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
@@ -220,8 +225,11 @@ def _readable_overrides(stage: str, overrides: list[str], multirun: bool = False
     readable = []
     for override in overrides:
         key, sep, value = override.partition("=")
-        if sep and key.lstrip("+~").startswith(_PATH_KEYS) and value.startswith("~"):
-            value = ",".join(os.path.expanduser(item) for item in value.split(","))
+        if sep and any(item.lstrip("'\"").startswith("~/") for item in value.split(",")):
+            # a path from the home folder (any key: outputs, inputs.*, data.path, export.path, a model folder);
+            # the shell leaves `key=~/x` alone, and Hydra reads ~ as an operator
+            value = ",".join(item[0] + os.path.expanduser(item[1:]) if item[:1] in "'\"" and item[1:2] == "~"
+                             else os.path.expanduser(item) for item in value.split(","))
             override = f"{key}={value}"
         if sep and not parses(override) and not any(ch in value for ch in "'\"[]{}"):
             whole, items = f"{key}='{value}'", f"{key}=" + ",".join(f"'{item}'" for item in value.split(","))
@@ -397,13 +405,38 @@ def _refuse_unwritable_outputs(stage: str, overrides: list[str]) -> None:
     sys.exit(2)
 
 
+_AFTER_STOP = {  # what a stopped stage kept, and what running it again does
+    "generate": "its finished shards are kept: the same command again answers only the rest",
+    "distill": "the same command again resumes from the run's last checkpoint (distill.checkpoint_every; the "
+               "steps after it are trained again)",
+    "pipeline": "the same command again reuses what finished (generate's shards, a finished distill run) and "
+                "resumes distill from its last checkpoint",
+}
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `timeout`'s stop), raised like Ctrl-C so that the same cleanup runs."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``draftsmith``."""
+    args = sys.argv[1:] if argv is None else argv
+    stage = args[0] if args else ""
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         try:
             _main(argv)
         finally:
             sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not in the interpreter's exit
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: one line, not a traceback through torch
+        how = "SIGTERM" if isinstance(stop, _Terminated) else "Ctrl-C"
+        after = _AFTER_STOP.get(stage, "nothing of this run is kept: run it again")
+        print(f"\ndraftsmith {stage}: stopped ({how}); {after}", file=sys.stderr)
+        sys.exit(143 if isinstance(stop, _Terminated) else 130)
     except BrokenPipeError:  # `draftsmith pipeline --help | head`: the reader left; no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's docs, "Note on SIGPIPE"
         sys.exit(1)
@@ -413,6 +446,11 @@ def _main(argv: list[str] | None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"draftsmith {version('draftsmith')}")
         return
     stage, rest = argv[0], argv[1:]
     if stage not in STAGES:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import yaml
 from distill.config import Config
 from distill.drafters import describe_layers
 from distill.errors import DraftsmithError
-from distill.rundir import StageRun, write_text_atomic
+from distill.rundir import REUSED, StageRun, is_complete, read_manifest, write_text_atomic
 
 FIGURES = (  # (column, path in report.json)
     ("acceptance_rate", ("acceptance_rate",)),
@@ -41,6 +42,13 @@ FIGURES = (  # (column, path in report.json)
     ("val_top1_agreement", ("distill_validation", "val_top1_agreement_after")),
     ("distill_s", ("stages", "distill", "wall_s")),
 )
+# a distill sweep's jobs have no report: their figures come from the distill manifest
+DISTILL_FIGURES = (
+    ("val_expected_acceptance", ("train", "val_expected_acceptance_after")),
+    ("val_top1_agreement", ("train", "val_top1_agreement_after")),
+    ("distill_s", ("wall_s",)),
+)
+ERROR_FILE = "error.txt"  # a sweep job's error, written by the CLI (distill/cli.py)
 _NOT_SWEPT = ("stage", "outputs")
 
 
@@ -53,11 +61,18 @@ def _dig(obj: Any, path: tuple[str, ...]) -> Any:
 
 
 def _value(text: str) -> Any:
-    """An override value as YAML reads it (numbers compare and sort as numbers)."""
+    """An override value as YAML reads it (numbers compare and sort as numbers; YAML 1.1 reads ``1e-4``,
+    without a dot, as text, Hydra as a float)."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def find_sweep(outputs: str | Path) -> Path:
@@ -79,6 +94,9 @@ def collect(sweep: Path) -> tuple[list[dict[str, Any]], list[str]]:
     Raises:
         DraftsmithError: ``sweep`` holds no job folder.
     """
+    if not Path(sweep).is_dir():
+        raise DraftsmithError(f"sweep folder {sweep} does not exist: give inputs.sweep=<the folder that "
+                              f"`draftsmith <stage> -m ...` printed>, or none for the newest sweep")
     rows = []
     for overrides_file in sorted(Path(sweep).glob("*/.hydra/overrides.yaml")):
         job = overrides_file.parent.parent
@@ -89,13 +107,23 @@ def collect(sweep: Path) -> tuple[list[dict[str, Any]], list[str]]:
                 overrides[key] = _value(value)
         report_path = next((p for p in (job / "report.json", job / "evaluate" / "report.json") if p.is_file()), None)
         row: dict[str, Any] = {"job": job.name, **overrides}
-        if report_path is None:
-            row["status"] = "unfinished"
-        else:
+        distill_run = job  # a distill job, or the finished run it found (reused.json)
+        if (job / REUSED).is_file():
+            distill_run = Path(json.loads((job / REUSED).read_text()).get("distill_run", job))
+        if report_path is not None:
             report = json.loads(report_path.read_text())
             row["status"] = "finished"
             row.update({name: _dig(report, path) for name, path in FIGURES})
             row["drafter"] = describe_drafter(report.get("drafter") or {})
+        elif is_complete(distill_run) and read_manifest(distill_run).get("stage") == "distill":
+            manifest = read_manifest(distill_run)
+            row["status"] = "finished" if distill_run == job else "finished (reused)"
+            row.update({name: _dig(manifest, path) for name, path in DISTILL_FIGURES})
+            row["drafter"] = describe_drafter(manifest.get("drafter") or {})
+        elif (job / ERROR_FILE).is_file():
+            row["status"] = "failed: " + (job / ERROR_FILE).read_text().strip().splitlines()[0][:160]
+        else:
+            row["status"] = "unfinished"
         rows.append(row)
     if not rows:
         raise DraftsmithError(f"{sweep} holds no sweep job (no */.hydra/overrides.yaml): give the folder that "
@@ -103,6 +131,24 @@ def collect(sweep: Path) -> tuple[list[dict[str, Any]], list[str]]:
     keys = sorted({k for r in rows for k in r} - {"job", "status", "drafter"} - {name for name, _ in FIGURES})
     swept = [k for k in keys if len({json.dumps(r.get(k), sort_keys=True) for r in rows}) > 1]
     return rows, swept
+
+
+def planned_jobs(sweep: Path) -> int | None:
+    """How many jobs the sweep's command asked for (the product of its comma-separated values, from
+    ``multirun.yaml``), or None when that cannot be told (a range sweep, no file)."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        task = (yaml.safe_load((Path(sweep) / "multirun.yaml").read_text()) or {})["hydra"]["overrides"]["task"]
+        planned = 1
+        for override in OverridesParser.create().parse_overrides([str(t) for t in task or []]):
+            if override.is_sweep_override():
+                if not override.is_discrete_sweep():
+                    return None
+                planned *= len(list(override.sweep_string_iterator()))
+        return planned
+    except Exception:  # noqa: BLE001 (an old or hand-made sweep folder: say nothing rather than fail)
+        return None
 
 
 def describe_drafter(info: dict[str, Any]) -> str:
@@ -127,8 +173,8 @@ def _columns(rows: list[dict[str, Any]], swept: list[str]) -> list[str]:
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3f}"
+    if isinstance(value, float):  # swept learning rates (1e-4) and huge values keep their digits
+        return f"{value:.3g}" if value and not 0.01 <= abs(value) < 1e5 else f"{value:.3f}"
     return "-" if value is None else str(value)
 
 
@@ -141,7 +187,11 @@ def render(rows: list[dict[str, Any]], swept: list[str], sweep: Path) -> tuple[s
     writer.writerows(rows)
     shown = ["job", *swept, "drafter", "status", "acceptance_rate", "mean_accepted_tokens", "speedup",
              "baseline_speedup", "val_expected_acceptance", "val_top1_agreement", "distill_s", "outputs_match_target"]
-    lines = [f"# Sweep {sweep}", "", f"{len(rows)} jobs; swept: {', '.join(swept) or 'nothing varies'}.", "",
+    planned = planned_jobs(sweep)
+    missing = (f" {planned - len(rows)} of the {planned} planned jobs never started: Hydra stops a sweep at its "
+               f"first failed job; fix it and run the same sweep again (finished distill runs are reused)."
+               if planned and planned > len(rows) else "")
+    lines = [f"# Sweep {sweep}", "", f"{len(rows)} jobs; swept: {', '.join(swept) or 'nothing varies'}.{missing}", "",
              "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in shown) + " |" for r in rows]
     return buffer.getvalue(), "\n".join(lines) + "\n"
@@ -155,7 +205,13 @@ def plot(rows: list[dict[str, Any]], swept: list[str], folder: Path) -> list[Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [r for r in rows if r["status"] == "finished"]
+    logging.getLogger("matplotlib.category").setLevel(logging.WARNING)  # "Using categorical units..." per call
+    done = [r for r in rows if r["status"].startswith("finished")]
+    if any(r.get("speedup") is not None for r in done):
+        shown = (("speedup", "speedup vs target alone"), ("acceptance_rate", "acceptance rate"))
+    else:  # a distill sweep: the held-out predictors of acceptance
+        shown = (("val_top1_agreement", "held-out top-1 agreement"),
+                 ("val_expected_acceptance", "held-out 1 - TV (expected acceptance)"))
     written = []
     for key in swept:
         fig, axes = plt.subplots(1, 2, figsize=(9, 4))
@@ -167,14 +223,17 @@ def plot(rows: list[dict[str, Any]], swept: list[str], folder: Path) -> list[Pat
             members.sort(key=lambda r: (str(type(r.get(key))), r.get(key)))
             # long values (run folders swept as inputs.distill) are told apart by their drafter instead
             xs = [str(r.get(key)) if len(str(r.get(key))) <= 24 else r.get("drafter") or r["job"] for r in members]
-            axes[0].plot(xs, [r.get("speedup") or 0.0 for r in members], marker="o", label=label)
-            axes[1].plot(xs, [r.get("acceptance_rate") or 0.0 for r in members], marker="o", label=label)
+            numeric = all(isinstance(r.get(key), (int, float)) for r in members)  # a line only between numbers
+            for ax, (figure, _) in zip(axes, shown):
+                ax.plot(xs, [r.get(figure) or 0.0 for r in members], marker="o", linestyle="-" if numeric else "",
+                        label=label)
         if any(len(str(x)) > 8 for ax in axes for line in ax.get_lines() for x in line.get_xdata()):
             for ax in axes:
                 ax.tick_params(axis="x", labelrotation=30, labelsize=7)
                 plt.setp(ax.get_xticklabels(), ha="right")
-        axes[0].set(xlabel=key, ylabel="speedup vs target alone")
-        axes[1].set(xlabel=key, ylabel="acceptance rate", ylim=(0, 1))
+        axes[0].set(xlabel=key, ylabel=shown[0][1])
+        axes[0].set_ylim(bottom=0)  # from 0: run-to-run noise does not look like a trend
+        axes[1].set(xlabel=key, ylabel=shown[1][1], ylim=(0, 1))
         if len(groups) > 1:
             axes[1].legend(fontsize=7)
         fig.tight_layout()
@@ -200,5 +259,5 @@ def run_gather(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     write_text_atomic(run_dir / "sweep.md", markdown)
     print(markdown)
     run.complete(sweep=str(sweep), jobs=len(rows), swept=swept,
-                 unfinished=sum(r["status"] != "finished" for r in rows))
+                 unfinished=sum(not r["status"].startswith("finished") for r in rows), planned=planned_jobs(sweep))
     return run_dir / "sweep.md"

@@ -45,7 +45,43 @@ def test_unfinished_jobs_are_listed_and_bad_folders_refused(tmp_path):
     rows, swept = collect(tmp_path / "sweep")
     assert swept == ["distill.loss"]
     assert [r["status"] for r in rows] == ["finished", "unfinished"] and rows[0]["speedup"] == 1.5
+    (tmp_path / "empty").mkdir()
     with pytest.raises(DraftsmithError, match="no sweep job"):
         collect(tmp_path / "empty")
     with pytest.raises(DraftsmithError, match="no sweep under"):
         find_sweep(tmp_path / "nothing")
+
+
+def test_distill_jobs_reused_runs_failed_and_missing_jobs_are_told_apart(tmp_path):
+    from distill.gather import render
+
+    sweep = tmp_path / "sweep"
+    done = tmp_path / "distill" / "run"  # a finished distill run, found by the second job
+    done.mkdir(parents=True)
+    (done / "COMPLETE").write_text("")
+    (done / "manifest.json").write_text(json.dumps({"stage": "distill", "wall_s": 12.5, "drafter": {"method": "full"},
+                                                   "train": {"val_top1_agreement_after": 0.5}}))
+    for name, lr in (("0_a", "1e-4"), ("1_b", "2e-4"), ("2_c", "1e12")):
+        (sweep / name / ".hydra").mkdir(parents=True)
+        (sweep / name / ".hydra" / "overrides.yaml").write_text(f"- stage=distill\n- distill.lr={lr}\n")
+    for name in ("0_a", "1_b"):
+        (sweep / name / "reused.json").write_text(json.dumps({"distill_run": str(done)}))
+    (sweep / "2_c" / "error.txt").write_text("error: loss is nan at step 2\n")
+    (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task:\n    - stage=distill\n"
+                                         "    - distill.lr=1e-4,2e-4,1e12,3e-4\n")
+    rows, swept = collect(sweep)
+    assert [r["status"] for r in rows] == ["finished (reused)", "finished (reused)", "failed: error: loss is nan at step 2"]
+    assert rows[0]["val_top1_agreement"] == 0.5 and rows[0]["distill_s"] == 12.5 and rows[0]["drafter"]
+    _, markdown = render(rows, swept, sweep)
+    assert "1 of the 4 planned jobs never started" in markdown
+    assert "| 0.0001 |" in markdown and "| 1e+12 |" in markdown  # swept values keep their digits
+    with pytest.raises(DraftsmithError, match="does not exist"):
+        collect(tmp_path / "nowhere")
+
+
+def test_a_failed_sweep_job_records_its_error(tmp_path):
+    proc = draftsmith("evaluate", "-m", "experiment=tiny", f"inputs.distill={tmp_path}/a,{tmp_path}/b",
+                      f"outputs={tmp_path}/out", cwd=tmp_path)
+    assert proc.returncode != 0
+    rows, _ = collect(next((tmp_path / "out" / "multirun" / "evaluate").iterdir()))
+    assert len(rows) == 1 and rows[0]["status"].startswith(f"failed: error: distill run folder {tmp_path}/a does not")
