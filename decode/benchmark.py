@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import statistics
 import time
 import warnings
@@ -135,6 +136,20 @@ def _hf_kwargs(*, max_new_tokens, eos_token_ids, temperature, top_k=0, top_p=1.0
     if stop_strings:
         kwargs.update(stop_strings=list(stop_strings), tokenizer=tokenizer)
     return kwargs
+
+
+def machine_busy(who: str, seconds: float = 1.0) -> float | None:
+    """Share of all CPUs (0-1) that other processes used over ``seconds`` while this one sat idle, printed as a
+    warning (``<who>: warning: ...``) when they compete with a CPU measurement; None without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    busy = psutil.cpu_percent(interval=seconds) / 100  # this process is idle meanwhile: the rest is others' work
+    if busy > 0.25 and not torch.cuda.is_available():
+        print(f"{who}: warning: other processes kept {busy:.0%} of the {os.cpu_count()} CPUs busy: the speed "
+              "figures will be low and noisy (acceptance is unaffected); measure on an idle machine", flush=True)
+    return round(busy, 3)
 
 
 def _drop_assistant_config_notice(record: logging.LogRecord) -> bool:

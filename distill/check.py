@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from decode.benchmark import measure_cost_ratio, measure_verify_costs
+from decode.benchmark import machine_busy, measure_cost_ratio, measure_verify_costs
 from decode.draft_length import choose_draft_length, expected_speedup
 from decode.metrics import DecodeStats
 from decode.quantization import quantize_drafter, resolve_quantization
@@ -84,7 +85,8 @@ def render_check_markdown(result: dict[str, Any]) -> str:
         f"| cost ratio c (drafter / target forward) | {result['cost_ratio']:.3f} |",
         f"| measured speedup at K = {result['draft_length']} (decode tokens/s vs target alone) | "
         f"{result['measured_speedup']:.2f}x |",
-        f"| recommended K (expected speedup) | {choice['best_draft_length']} |",
+        f"| recommended K (expected speedup) | {choice['best_draft_length']} "
+        f"({by_k[choice['best_draft_length']]:.2f}x) |",
         f"| article's rule of thumb K = max(2, int(accuracy x 5)) | {choice['rule_of_thumb']} |",
         "", "| K | " + " | ".join(str(k) for k in by_k) + " |", "|---|" + "---|" * len(by_k),
         "| expected speedup | " + " | ".join(f"{v:.2f}x" for v in by_k.values()) + " |",
@@ -108,6 +110,7 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                                 num_eval=c.num_prompts, seed=cfg.data.seed, keep=prompt_length_limit(cfg),
                                 counts="check.num_prompts")
     run = StageRun.start("check", run_dir, config_yaml, inputs={})
+    print(f"check: loading target {cfg.target.name} and drafter {cfg.drafter.name}", flush=True)
     target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
     drafter, drafter_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)
     drafter.eval()
@@ -128,15 +131,17 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     quantization = resolve_quantization(cfg.decode.drafter_quantization, target.device)
     runner = quantize_drafter(drafter, quantization)
     eos = eos_token_ids(target, tokenizer)
+    busy = machine_busy("check")  # prints a warning when other processes hold the CPUs
     start = time.perf_counter()
-
+    print(f"check: top-1 agreement, then speculative decoding vs the target alone on {len(prompts)} prompts x "
+          f"{c.max_new_tokens} tokens", flush=True)
     accuracy = top1_agreement(target, drafter, prompts, c.draft_length)
     warm_up = torch.tensor([prompts[0]], device=target.device)  # first calls pay one-time kernel setup
     speculative_generate(target, runner, warm_up, draft_length=c.draft_length, max_new_tokens=c.draft_length + 2,
                          eos_token_ids=eos)
     target_generate(target, warm_up, max_new_tokens=4, eos_token_ids=eos)
     spec, alone = [], []
-    for ids in prompts:
+    for ids in tqdm(prompts, desc="check", unit="prompt"):
         input_ids = torch.tensor([ids], device=target.device)
         spec.append(speculative_generate(target, runner, input_ids, draft_length=c.draft_length,
                                          max_new_tokens=c.max_new_tokens, eos_token_ids=eos).stats)
@@ -163,7 +168,7 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         "expected_speedup_at_measured_k": expected_speedup(pooled.per_position_acceptance, c.draft_length,
                                                            cost_ratio, verify_costs[min(c.draft_length, len(verify_costs) - 1)]),
         "draft_length_choice": asdict(choice),
-        "measure_s": time.perf_counter() - start,
+        "measure_s": time.perf_counter() - start, "cpu_busy_before": busy,
         "target_fingerprint": target_res.fingerprint,
     })
     result["verdict"] = _verdict(result)

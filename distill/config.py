@@ -10,7 +10,8 @@ naming the key to change.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -98,7 +99,7 @@ class DataConfig:
                f"must be >= 1 (e.g. 512), or null for no limit; got {self.max_prompt_tokens}")
         sources = ("humaneval", "mtbench", "sharegpt", "mixed", "file")
         _check(self.source in sources, "data.source", f"must be one of {sources}, got {self.source!r}")
-        _check(self.source != "file" or bool(self.path), "data.path", "set data.path=<file> when data.source=file")
+        _check(self.source != "file" or bool(self.path), "data.path", "set data.path=<file> with data=file")
 
 
 @dataclass
@@ -341,6 +342,12 @@ class Config:
 
     def __post_init__(self) -> None:
         _check(self.stage in STAGES, "stage", f"must be one of {STAGES}, got {self.stage!r}")
+        for section in fields(self):  # inf passes every "> 0" check above, then breaks training or decoding
+            values = getattr(self, section.name)
+            for f in fields(values) if is_dataclass(values) else ():
+                value = getattr(values, f.name)
+                _check(not isinstance(value, float) or math.isfinite(value), f"{section.name}.{f.name}",
+                       f"must be a finite number, got {value}")
 
 
 def _slug(text: str) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from decode.benchmark import benchmark, run_target_alone
+from decode.benchmark import benchmark, machine_busy, run_target_alone
 from decode.quantization import quantize_drafter, resolve_quantization
 from distill.config import Config
 from distill.errors import DraftsmithError
@@ -44,20 +44,6 @@ def load_tuned_drafter(distill_dir: Path, dtype: str):
     path = require_complete(distill_dir, "distill") / DRAFTER_DIR
     model = load_drafter(path, dtype)  # with its reduced vocabulary head if it was distilled with one
     return model, json.loads((path / DRAFTER_INFO).read_text())
-
-
-def _machine_busy(seconds: float = 1.0) -> float | None:
-    """Share of all CPUs (0-1) that other processes used over ``seconds`` while this one sat idle, printed as a
-    warning when they compete with the measurement; None without psutil."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    busy = psutil.cpu_percent(interval=seconds) / 100  # this process is idle meanwhile: the rest is others' work
-    if busy > 0.25 and not torch.cuda.is_available():
-        print(f"evaluate: warning: other processes kept {busy:.0%} of the {os.cpu_count()} CPUs busy: the speed "
-              "figures will be low and noisy (acceptance is unaffected); measure on an idle machine")
-    return round(busy, 3)
 
 
 def evaluation_prompts(cfg: Config, held_out: list[Prompt], gen_dir: Path) -> list[Prompt]:
@@ -189,7 +175,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         others[name] = other
     vocab = min(m.get_output_embeddings().out_features
                 for m in (target, tuned, base, *others.values()) if m is not None)
-    busy = _machine_busy()
+    busy = machine_busy("evaluate")
     quantization = resolve_quantization(dec.drafter_quantization, target.device)
     tuned_run = quantize_drafter(tuned, quantization)  # the drafter as the decoder runs it
     print(f"evaluate: target alone on {len(prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}prompts")

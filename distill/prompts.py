@@ -82,7 +82,8 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None,
             raise PromptError(f"source 'file' needs a path to a .jsonl or .txt file ({key}=...).")
         prompts = _load_file(Path(path), on_bad_line, skipped, key)
     elif path:
-        raise PromptError(f"a path was given with source {source!r}; use source 'file' to read {path}.")
+        raise PromptError(f"a path was given with source {source!r}; pick data=file to read {path} "
+                          f"(data.path is only read by data=file).")
     elif source == "humaneval":
         prompts = _load_humaneval()
     elif source == "mtbench":
@@ -327,7 +328,7 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
         raise ConfigError(
             f"Asked for {num_eval} eval + {num_train} train prompts but only {len(ordered)} distinct "
             f"prompts are available; lower the counts ({counts}) or "
-            f"use a larger source (data.source=sharegpt)."
+            f"use a larger prompt set (data=sharegpt)."
         )
     verdicts: dict[str, bool] = {}
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import asdict
@@ -32,6 +33,7 @@ from distill.errors import ConfigError
 from distill.rundir import COMPLETE, write_json_atomic
 from distill.train import METRICS_FILE, STATE_FILE, VALIDATION_FILE
 
+log = logging.getLogger(__name__)
 RESUME_KEY = "resume_key.json"
 LOCK = ".distill.lock"  # held while a run trains: a live run's checkpoints are never taken over
 CHECKPOINTS = "checkpoints"
@@ -65,14 +67,43 @@ def resume_key(cfg: Config, data_identity: str, target_fingerprint: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
+def _damage(checkpoint: Path) -> str | None:
+    """Why ``checkpoint`` cannot be loaded (a truncated or unreadable file), or None. Cheap: it reads the
+    safetensors headers and the zip directories of the torch files, not the tensors."""
+    import zipfile
+
+    from safetensors import safe_open
+
+    for path in sorted(checkpoint.iterdir()):
+        try:
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt"):
+                    pass
+            elif path.suffix == ".pt":
+                with zipfile.ZipFile(path):
+                    pass
+            elif path.name == STATE_FILE:
+                json.loads(path.read_text())
+        except Exception as err:  # noqa: BLE001 (any failure to read means: not this checkpoint)
+            return f"{path.name}: {type(err).__name__}: {str(err)[:120]}"
+    return None
+
+
 def latest_checkpoint(checkpoints: Path) -> Path | None:
-    """The ``checkpoint-<step>`` folder with the highest step that holds its state file, or None."""
+    """The ``checkpoint-<step>`` folder with the highest step that holds its state file and whose files can
+    be read, or None. A damaged one (a disk fault, a power cut) is skipped with a warning: the previous one is
+    used instead of failing every later run of the same command."""
     found = []
     for path in Path(checkpoints).glob("checkpoint-*"):
         step = path.name.split("-", 1)[1]
         if step.isdigit() and (path / STATE_FILE).is_file():
             found.append((int(step), path))
-    return max(found)[1] if found else None
+    for _, path in sorted(found, reverse=True):
+        damage = _damage(path)
+        if damage is None:
+            return path
+        log.warning("%s cannot be read (%s): skipping it; an earlier checkpoint is used if there is one", path, damage)
+    return None
 
 
 def hold_lock(run_dir: Path):

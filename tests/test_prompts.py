@@ -107,7 +107,7 @@ def test_unknown_source_and_path_misuse(tmp_path):
         load_prompts("alpaca")
     with pytest.raises(PromptError, match="needs a path"):
         load_prompts("file")
-    with pytest.raises(PromptError, match="use source 'file'"):
+    with pytest.raises(PromptError, match="pick data=file"):
         load_prompts("humaneval", path=str(tmp_path / "x.jsonl"))
     with pytest.raises(ConfigError):
         load_prompts("humaneval", limit=-1)

@@ -122,7 +122,7 @@ def _losses(run: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_killed_distill_resumes_with_the_same_command(tmp_path):
-    """SIGKILL a real distill process after a checkpoint; the same command finishes the run with the
+    """SIGTERM a real distill process after a checkpoint; the same command finishes the run with the
     loss curve of an uninterrupted one."""
     out = tmp_path / "outputs"
     proc = draftsmith("generate", "experiment=tiny", f"outputs={out}", cwd=tmp_path)
@@ -132,12 +132,14 @@ def test_killed_distill_resumes_with_the_same_command(tmp_path):
             "distill.checkpoint_every=20", "distill.val_fraction=0.25", "logger=jsonl"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     killed = subprocess.Popen([sys.executable, "-m", "distill.cli", *args, f"outputs={out}"], cwd=tmp_path, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and not list(out.glob("distill/*/checkpoints/checkpoint-40/" + STATE_FILE)):
         time.sleep(0.05)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
+    killed.send_signal(signal.SIGTERM)  # a scheduler's stop: one line that says how to go on, no traceback
+    _, stderr = killed.communicate()
+    assert killed.returncode == 143 and "Traceback" not in stderr, stderr[-2000:]
+    assert "draftsmith distill: stopped (SIGTERM); the same command again resumes" in stderr
     [dead] = list(out.glob("distill/*"))
     assert not (dead / COMPLETE).exists() and latest_checkpoint(dead / "checkpoints") is not None
 
@@ -226,3 +228,42 @@ def test_disk_full_names_the_path_and_sizes(tmp_path, monkeypatch):
     with pytest.raises(DiskFullError, match="report.json"):
         write_text_atomic(tmp_path / "report.json", "{}")
     assert not list(tmp_path.glob(".report.json.*"))
+
+
+def test_atomic_writes_leave_the_modes_a_plain_write_would(tmp_path):
+    """mkdtemp/mkstemp make 0700/0600 and safetensors writes 0600: an export must still be readable by others."""
+    from distill.rundir import atomic_dir, write_text_atomic
+
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "drafter") as tmp:
+            (tmp / "sub").mkdir()
+            for name in ("model.safetensors", "sub/x.json"):
+                (tmp / name).write_text("x")
+                (tmp / name).chmod(0o600)
+        write_text_atomic(tmp_path / "report.json", "{}")
+    finally:
+        os.umask(old)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert mode(tmp_path / "drafter") == 0o755 and mode(tmp_path / "drafter" / "sub") == 0o755
+    assert mode(tmp_path / "drafter" / "model.safetensors") == 0o644
+    assert mode(tmp_path / "drafter" / "sub" / "x.json") == 0o644 and mode(tmp_path / "report.json") == 0o644
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, caplog):
+    import torch
+    from safetensors.torch import save_file
+
+    run = _fake_run(tmp_path, "a", "k1", steps=(5, 10))
+    for step in (5, 10):
+        folder = run / "checkpoints" / f"checkpoint-{step}"
+        save_file({"w": torch.ones(64, 64)}, str(folder / "model.safetensors"))
+        torch.save({"state": {}}, folder / "optimizer.pt")
+    assert latest_checkpoint(run / "checkpoints").name == "checkpoint-10"
+    newest = run / "checkpoints" / "checkpoint-10" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated: a power cut, a full disk outside our writes
+    assert latest_checkpoint(run / "checkpoints").name == "checkpoint-5"
+    assert "checkpoint-10 cannot be read (model.safetensors" in caplog.text
+    optimizer = run / "checkpoints" / "checkpoint-5" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:20])
+    assert latest_checkpoint(run / "checkpoints") is None
