@@ -204,12 +204,24 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 
+# keys whose values are folders or files: a leading ~/ there is the home folder
+_PATH_KEYS = ("outputs", "inputs.", "data.path", "export.path", "evaluate.prompts", "target.name", "drafter.name",
+              "distill.resume")
+
+
+def _expand_home(item: str) -> str:
+    """``~/x`` -> ``/home/me/x``, also inside the quotes or after the list bracket the item may carry."""
+    lead = len(item) - len(item.lstrip("[ '\""))
+    return item[:lead] + os.path.expanduser(item[lead:]) if item[lead:].startswith("~/") else item
+
+
 def _readable_overrides(stage: str, overrides: list[str], multirun: bool = False) -> list[str]:
     """Overrides as Hydra can read them. A folder such as ``inputs.distill=~/runs/x`` or a sweep job's
     ``.../3_distill.lr=1e-4`` trips Hydra's grammar (``~`` and ``=`` are operators there), so a value Hydra
-    cannot parse is quoted (with ``-m``, each comma-separated item: a sweep over folders), which cannot change the meaning of any
-    override Hydra accepts; a value (or sweep item) starting with ``~/`` is expanded to the home folder. Exit 2 with what to write when
-    quoting does not help either."""
+    cannot parse is quoted (with ``-m``, each comma-separated item: a sweep over folders; in a list, each
+    item), which cannot change the meaning of any override Hydra accepts. In a path setting (``_PATH_KEYS``)
+    an item starting with ``~/`` is expanded to the home folder. Exit 2 with what to write when quoting does
+    not help either."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -223,28 +235,34 @@ def _readable_overrides(stage: str, overrides: list[str], multirun: bool = False
             return False
 
     readable = []
-    for override in overrides:
+    for typed in overrides:
+        override = typed
         key, sep, value = override.partition("=")
-        if sep and any(item.lstrip("'\"").startswith("~/") for item in value.split(",")):
-            # a path from the home folder (any key: outputs, inputs.*, data.path, export.path, a model folder);
-            # the shell leaves `key=~/x` alone, and Hydra reads ~ as an operator
-            value = ",".join(item[0] + os.path.expanduser(item[1:]) if item[:1] in "'\"" and item[1:2] == "~"
-                             else os.path.expanduser(item) for item in value.split(","))
+        if sep and key.lstrip("+~").startswith(_PATH_KEYS):
+            # the shell leaves `key=~/x` alone (key is no shell variable), and Hydra reads ~ as an operator
+            value = ",".join(_expand_home(item) for item in value.split(","))
             override = f"{key}={value}"
-        if sep and not parses(override) and not any(ch in value for ch in "'\"[]{}"):
-            whole, items = f"{key}='{value}'", f"{key}=" + ",".join(f"'{item}'" for item in value.split(","))
-            for candidate in ((items, whole) if multirun else (whole, items)):
-                if parses(candidate):
-                    override = candidate
-                    break
+        if (sep and not multirun and key.lstrip("+~").startswith(_PATH_KEYS) and "," in value and parses(override)
+                and parser.parse_overrides([override])[0].is_sweep_override() and parses(f"{key}='{value}'")):
+            override = f"{key}='{value}'"  # without -m a comma in a folder is part of its name, not a sweep
+        elif sep and not parses(override):
+            bare = not any(ch in value for ch in "'\"[]{}")
+            listed = value.startswith("[") and value.endswith("]") and not any(ch in value for ch in "'\"{}")
+            candidates = []
+            if bare:
+                whole, items = f"{key}='{value}'", f"{key}=" + ",".join(f"'{item}'" for item in value.split(","))
+                candidates = [items, whole] if multirun else [whole, items]
+            elif listed:  # a list of folders: quote each item
+                candidates = [f"{key}=[" + ",".join(f"'{item.strip()}'" for item in value[1:-1].split(",")) + "]"]
+            override = next((c for c in candidates if parses(c)), override)
         if not parses(override):
             try:
                 parser.parse_overrides([override])
             except OverrideParseException as err:
                 reason = str(err).splitlines()[0]
-            print(f"draftsmith {stage}: config error: cannot read {override!r} ({reason}); write key=value, and "
-                  f"put a value with spaces, quotes, brackets or ',' in quotes: \"key='value'\" "
-                  f"(https://hydra.cc/docs/advanced/override_grammar/basic/)", file=sys.stderr)
+            print(f"draftsmith {stage}: config error: cannot read {typed!r} ({reason}); write key=value, and "
+                  f"put a value with spaces, quotes or ',' in quotes: \"key='value'\", or each item of a list: "
+                  f"\"key=['a','b']\" (https://hydra.cc/docs/advanced/override_grammar/basic/)", file=sys.stderr)
             sys.exit(2)
         readable.append(override)
     return readable
@@ -279,8 +297,8 @@ def _refuse_unknown_keys(stage: str, overrides: list[str]) -> None:
                 if depth:  # the same key under another section (distill.draft_length for decode.draft_length)
                     near += [k for k in all_keys if k.endswith(f".{part}") and k != key and k not in near]
                     near += [m for m in difflib.get_close_matches(key, all_keys, n=2, cutoff=0.8) if m not in near]
-                hint = f"did you mean {' or '.join(near)}? " if near else ""
-                print(f"draftsmith {stage}: config error: unknown key {key}: {hint}(`draftsmith {stage} --cfg job` "
+                hint = f"did you mean {' or '.join(near)}?" if near else "no such setting"
+                print(f"draftsmith {stage}: config error: unknown key {key}: {hint} (`draftsmith {stage} --cfg job` "
                       f"lists every key)", file=sys.stderr)
                 sys.exit(2)
             factory = known[part].default_factory
@@ -412,6 +430,7 @@ _AFTER_STOP = {  # what a stopped stage kept, and what running it again does
     "pipeline": "the same command again reuses what finished (generate's shards, a finished distill run) and "
                 "resumes distill from its last checkpoint",
 }
+_UNFINISHED = "its run folder stays without COMPLETE (later stages skip it; delete it at will): run it again"
 
 
 class _Terminated(KeyboardInterrupt):
@@ -434,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not in the interpreter's exit
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: one line, not a traceback through torch
         how = "SIGTERM" if isinstance(stop, _Terminated) else "Ctrl-C"
-        after = _AFTER_STOP.get(stage, "nothing of this run is kept: run it again")
+        after = _AFTER_STOP.get(stage, _UNFINISHED)
         print(f"\ndraftsmith {stage}: stopped ({how}); {after}", file=sys.stderr)
         sys.exit(143 if isinstance(stop, _Terminated) else 130)
     except BrokenPipeError:  # `draftsmith pipeline --help | head`: the reader left; no traceback

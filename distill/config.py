@@ -387,6 +387,10 @@ def to_config(cfg: DictConfig | Config) -> Config:
     unknown = _unknown_keys(cfg, OmegaConf.structured(Config))
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(unknown)}: check the spelling (`--cfg job` lists every key)")
+    for section, values in cfg.items():  # before the range checks: nan fails "> 0" with a less helpful message
+        for key, value in (values.items() if isinstance(values, DictConfig) else ()):
+            _check(not isinstance(value, float) or math.isfinite(value), f"{section}.{key}",
+                   f"must be a finite number, got {value}")
     obj: Any = OmegaConf.to_object(cfg)
     if not isinstance(obj, Config):
         raise ConfigError("the composed config is not a draftsmith Config: keep 'draftsmith_schema' first in conf/config.yaml")

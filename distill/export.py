@@ -83,7 +83,8 @@ def _speed_caveats(report: dict[str, Any]) -> list[str]:
         ratio = figures.get("measured_over_theoretical")
         if ratio is not None and not 0.5 <= ratio <= 2.0:
             notes.append(f"**The {who} speedup is {ratio:.1f}x what the cost model predicts** from its acceptance "
-                         "and cost ratio: a noisy measurement; re-run `draftsmith evaluate` on an idle machine.")
+                         "and cost ratio: a noisy measurement, or per-token overhead the model leaves out (it "
+                         "weighs most with small models); re-run `draftsmith evaluate` on an idle machine to tell.")
     return notes + ([""] if notes else [])
 
 

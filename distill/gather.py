@@ -121,7 +121,8 @@ def collect(sweep: Path) -> tuple[list[dict[str, Any]], list[str]]:
             row.update({name: _dig(manifest, path) for name, path in DISTILL_FIGURES})
             row["drafter"] = describe_drafter(manifest.get("drafter") or {})
         elif (job / ERROR_FILE).is_file():
-            row["status"] = "failed: " + (job / ERROR_FILE).read_text().strip().splitlines()[0][:160]
+            why = (job / ERROR_FILE).read_text().strip().splitlines()[0]
+            row["status"] = "failed: " + why.removeprefix("error: ")[:200]
         else:
             row["status"] = "unfinished"
         rows.append(row)

@@ -80,3 +80,22 @@ def test_an_override_hydra_cannot_read_says_how_to_quote(tmp_path):
     proc = cli("distill", "experiment=tiny", "distill.lr=[1,", cwd=tmp_path)
     assert proc.returncode == 2 and "cannot read 'distill.lr=[1,'" in proc.stderr, proc.stderr[-1000:]
     assert "in quotes" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_home_folders_and_job_folders_inside_lists(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for value in ("[~/a,~/b=1]", "['~/a','~/b=1']"):
+        proc = cli("distill", "experiment=tiny", f"inputs.extra_generate={value}", "--cfg", "job", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-1000:]
+        assert f"  - {tmp_path}/a\n  - {tmp_path}/b=1\n" in proc.stdout
+    # a setting that is no path keeps its ~; a comma in a folder without -m is part of its name
+    proc = cli("distill", "experiment=tiny", "decode.stop_strings=['~/b']", "inputs.generate=/x,y", "--cfg", "job",
+               cwd=tmp_path)
+    assert "  - ~/b\n" in proc.stdout and "generate: /x,y\n" in proc.stdout, proc.stderr[-1000:]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused_up_front(tmp_path, value):
+    proc = cli("pipeline", "experiment=tiny", f"distill.lr={value}", f"outputs={tmp_path}/out", cwd=tmp_path)
+    assert proc.returncode == 2 and f"distill.lr: must be a finite number, got {value}" in proc.stderr, proc.stderr
+    assert not list((tmp_path / "out").glob("*/*"))  # no run folder

@@ -70,7 +70,7 @@ def test_distill_jobs_reused_runs_failed_and_missing_jobs_are_told_apart(tmp_pat
     (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task:\n    - stage=distill\n"
                                          "    - distill.lr=1e-4,2e-4,1e12,3e-4\n")
     rows, swept = collect(sweep)
-    assert [r["status"] for r in rows] == ["finished (reused)", "finished (reused)", "failed: error: loss is nan at step 2"]
+    assert [r["status"] for r in rows] == ["finished (reused)", "finished (reused)", "failed: loss is nan at step 2"]
     assert rows[0]["val_top1_agreement"] == 0.5 and rows[0]["distill_s"] == 12.5 and rows[0]["drafter"]
     _, markdown = render(rows, swept, sweep)
     assert "1 of the 4 planned jobs never started" in markdown
@@ -84,4 +84,4 @@ def test_a_failed_sweep_job_records_its_error(tmp_path):
                       f"outputs={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode != 0
     rows, _ = collect(next((tmp_path / "out" / "multirun" / "evaluate").iterdir()))
-    assert len(rows) == 1 and rows[0]["status"].startswith(f"failed: error: distill run folder {tmp_path}/a does not")
+    assert len(rows) == 1 and rows[0]["status"].startswith(f"failed: distill run folder {tmp_path}/a does not")
