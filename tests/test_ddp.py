@@ -249,7 +249,8 @@ def test_distill_command_under_torchrun_makes_one_complete_run(cli_ddp_run):
     assert state["examples_seen"] == 8 * WORLD_SIZE * 4  # max_steps x processes x batch_size (experiment=tiny)
     # the logger (jsonl) and the metrics were written once, by the main process
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log if "summary" not in r] == list(range(1, 9))
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, 9))
+    assert [r["step"] for r in log if "val_loss" in r] == [0, 8]  # held-out figures before and after
     assert sum("summary" in r for r in log) == 1
     assert (run / "drafter" / "drafter_info.json").is_file()
     # ... and the evaluate stage takes the drafter
