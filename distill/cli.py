@@ -184,21 +184,29 @@ def _refuse_in_parallel(stage: str, flags: list[str]) -> None:
 # Hydra flags that take a value (the next word), e.g. `--cfg job`.
 _VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                 "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
+_INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+_OPTIONAL_VALUE_FLAGS = {"--info": _INFO_CHOICES, "-i": _INFO_CHOICES}
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], list[str]]:
     """Separate Hydra flags (with their values) from ``key=value`` overrides, keeping each in order."""
     flags, overrides = [], []
-    words = iter(args)
-    for word in words:
-        if word.startswith("-"):
-            flags.append(word)
-            if word in _VALUE_FLAGS and "=" not in word:
-                value = next(words, None)
-                if value is not None:
-                    flags.append(value)
-        else:
+    i = 0
+    while i < len(args):
+        word = args[i]
+        i += 1
+        if not word.startswith("-"):
             overrides.append(word)
+            continue
+        flags.append(word)
+        if word in _OPTIONAL_VALUE_FLAGS and "=" not in word:  # `--info` alone means `--info all`; without a
+            # value here, the `stage=` override placed after the flags would be taken as its value
+            value = args[i] if i < len(args) and args[i] in _OPTIONAL_VALUE_FLAGS[word] else None
+            flags.append(value or "all")
+            i += value is not None
+        elif word in _VALUE_FLAGS and "=" not in word and i < len(args):
+            flags.append(args[i])
+            i += 1
     return flags, overrides
 
 

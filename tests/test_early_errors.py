@@ -99,3 +99,15 @@ def test_non_finite_numbers_are_refused_up_front(tmp_path, value):
     proc = cli("pipeline", "experiment=tiny", f"distill.lr={value}", f"outputs={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode == 2 and f"distill.lr: must be a finite number, got {value}" in proc.stderr, proc.stderr
     assert not list((tmp_path / "out").glob("*/*"))  # no run folder
+
+
+@pytest.mark.parametrize("argv, flags, overrides", [
+    (["--info"], ["--info", "all"], []),  # alone: `all`, not the stage= override the CLI adds after the flags
+    (["--info", "config", "a=1"], ["--info", "config"], ["a=1"]),
+    (["a=1", "-i", "b=2"], ["-i", "all"], ["a=1", "b=2"]),
+    (["--cfg", "job", "a=1", "-m"], ["--cfg", "job", "-m"], ["a=1"]),
+])
+def test_hydra_flags_are_split_from_overrides(argv, flags, overrides):
+    from distill.cli import _split_flags
+
+    assert _split_flags(argv) == (flags, overrides)
