@@ -379,7 +379,12 @@ def _refuse_bad_sweep_values(stage: str, flags: list[str], overrides: list[str],
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for combination in combinations:
             try:
-                to_config(compose(config_name="config", overrides=[f"stage={stage}", *combination]))
+                config = to_config(compose(config_name="config", overrides=[f"stage={stage}", *combination]))
+                inputs = config.inputs
+                for key, folder in [(k, getattr(inputs, k)) for k in ("generate", "distill", "evaluate", "sweep")] + [
+                        ("extra_generate", f) for f in inputs.extra_generate]:
+                    if folder and not Path(folder).expanduser().is_dir():
+                        raise ConfigError(f"inputs.{key}={folder} does not exist: pass a finished run's folder")
             except ConfigError as err:
                 swept = " ".join(c for c, options in zip(combination, choices) if len(options) > 1)
                 print(f"draftsmith {stage}: config error in the sweep's job {swept}: {err}; no job was started",

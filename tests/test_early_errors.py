@@ -73,7 +73,7 @@ def test_folder_values_that_trip_hydras_grammar_are_read_as_folders(tmp_path, mo
     # with -m, a comma separates the sweep's folders
     proc = cli("evaluate", "-m", "experiment=tiny", "inputs.distill=a/x=1,b/y=2", f"outputs={tmp_path}/out",
                cwd=tmp_path)
-    assert f"distill run folder {tmp_path}/a/x=1 does not exist" in proc.stderr, proc.stderr[-1000:]
+    assert "job inputs.distill=a/x=1: inputs.distill=a/x=1 does not exist" in proc.stderr, proc.stderr[-1000:]
 
 
 def test_an_override_hydra_cannot_read_says_how_to_quote(tmp_path):
@@ -111,3 +111,10 @@ def test_hydra_flags_are_split_from_overrides(argv, flags, overrides):
     from distill.cli import _split_flags
 
     assert _split_flags(argv) == (flags, overrides)
+
+
+def test_a_sweep_over_a_missing_input_folder_stops_before_the_first_job(tmp_path):
+    proc = cli("evaluate", "-m", "experiment=tiny", f"inputs.distill={tmp_path},{tmp_path}/gone",
+               f"outputs={tmp_path}/out", cwd=tmp_path)
+    assert proc.returncode == 2 and f"inputs.distill={tmp_path}/gone does not exist" in proc.stderr, proc.stderr
+    assert "no job was started" in proc.stderr and not (tmp_path / "out").exists()

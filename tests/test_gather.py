@@ -80,8 +80,10 @@ def test_distill_jobs_reused_runs_failed_and_missing_jobs_are_told_apart(tmp_pat
 
 
 def test_a_failed_sweep_job_records_its_error(tmp_path):
+    for name in ("a", "b"):  # folders, but no runs: each job fails when it reads its folder
+        (tmp_path / name).mkdir()
     proc = draftsmith("evaluate", "-m", "experiment=tiny", f"inputs.distill={tmp_path}/a,{tmp_path}/b",
                       f"outputs={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode != 0
     rows, _ = collect(next((tmp_path / "out" / "multirun" / "evaluate").iterdir()))
-    assert len(rows) == 1 and rows[0]["status"].startswith(f"failed: distill run folder {tmp_path}/a does not")
+    assert len(rows) == 1 and rows[0]["status"].startswith(f"failed: {tmp_path}/a is not a distill run folder")
