@@ -73,7 +73,7 @@ def test_folder_values_that_trip_hydras_grammar_are_read_as_folders(tmp_path, mo
     # with -m, a comma separates the sweep's folders
     proc = cli("evaluate", "-m", "experiment=tiny", "inputs.distill=a/x=1,b/y=2", f"outputs={tmp_path}/out",
                cwd=tmp_path)
-    assert "job inputs.distill=a/x=1: inputs.distill=a/x=1 does not exist" in proc.stderr, proc.stderr[-1000:]
+    assert "inputs.distill=a/x=1 does not exist" in proc.stderr and "no job was started" in proc.stderr, proc.stderr
 
 
 def test_an_override_hydra_cannot_read_says_how_to_quote(tmp_path):
