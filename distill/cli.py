@@ -515,7 +515,9 @@ def _main(argv: list[str] | None) -> None:
                 print(f"draftsmith {stage}: error: {err}", file=sys.stderr)
             sys.exit(2)
     # Hydra's parser wants flags before the overrides; users put them anywhere.
-    sys.argv = [f"draftsmith {stage}", *flags, f"stage={stage}", *overrides]
+    # (--hydra-help composes Hydra's own config, which has no `stage`)
+    stage_override = [] if "--hydra-help" in flags else [f"stage={stage}"]
+    sys.argv = [f"draftsmith {stage}", *flags, *stage_override, *overrides]
     run = _follow_main if parallel.world_size() > 1 and not state.is_main_process else _hydra_main
     try:
         run()

@@ -118,3 +118,9 @@ def test_a_sweep_over_a_missing_input_folder_stops_before_the_first_job(tmp_path
                f"outputs={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode == 2 and f"inputs.distill={tmp_path}/gone does not exist" in proc.stderr, proc.stderr
     assert "no job was started" in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag, shows", [("--hydra-help", "== Flags =="), ("--info", "Installed Hydra Plugins")])
+def test_hydras_own_help_and_info_flags_work(tmp_path, flag, shows):
+    proc = cli("distill", flag, cwd=tmp_path)
+    assert proc.returncode == 0 and shows in proc.stdout, proc.stderr[-1000:]
