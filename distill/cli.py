@@ -67,7 +67,7 @@ def run_stage(cfg: DictConfig, run_dir: Path) -> float | None:
 
         finished = run_distill(config, run_dir, config_yaml)
         if finished != run_dir:  # an earlier run already did it
-            if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweep's job folder says where its result is
+            if _in_sweep():  # a sweep's job folder says where its result is
                 write_json_atomic(run_dir / REUSED, {"distill_run": str(Path(finished).absolute())})
             else:  # no empty folder
                 _remove_if_unused(run_dir, config.stage)
@@ -109,6 +109,11 @@ def _speedup(report_path: Path) -> float | None:
         return None
 
 
+def _in_sweep() -> bool:
+    """Whether this Hydra job is one job of a ``-m`` sweep (its folder is kept and read by ``gather``)."""
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def _remove_if_unused(run_dir: Path, stage: str) -> None:
     """Delete ``run_dir`` if it holds only what Hydra put there (its config copy and the log), and its stage
     folder (``outputs/<stage>``) if that is then empty."""
@@ -130,7 +135,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         return run_stage(cfg, run_dir)
     except DraftsmithError as err:
         kind = "config error" if isinstance(err, ConfigError) else "error"
-        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweep's job: `gather` shows why it failed
+        if _in_sweep():  # a sweep's job: `gather` shows why it failed
             from distill.gather import ERROR_FILE
 
             write_text_atomic(run_dir / ERROR_FILE, f"{kind}: {err}\n")
