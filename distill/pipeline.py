@@ -52,7 +52,7 @@ def preflight(cfg: Config, export_run: Path) -> None:
         TokenizerMismatchError: target and drafter cannot share tokens (tokenizers only, no weights loaded).
     """
     if cfg.distill.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=bf16 or no")
+        raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=auto or no")
     if cfg.distill.target_source == "stored" and cfg.generate.store_top_k == 0:
         raise ConfigError("distill.target_source=stored trains on the target's stored top-k log-probs: "
                           "add generate.store_top_k=20")

@@ -28,8 +28,11 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from distill.config import Config
 from distill.errors import ConfigError
+from distill.models import resolve_mixed_precision
 from distill.rundir import COMPLETE, write_json_atomic
 from distill.train import METRICS_FILE, STATE_FILE, VALIDATION_FILE
 
@@ -62,6 +65,9 @@ def resume_key(cfg: Config, data_identity: str, target_fingerprint: str) -> str:
     the others make moot (``jsd_beta`` unless ``loss=jsd``, the LoRA ones with ``method=full``) are left out."""
     distill = asdict(cfg.distill)
     distill = {k: v for k, v in distill.items() if k not in _NOT_IN_KEY and k not in _unused_settings(distill)}
+    # what "auto" becomes here: the same command trains in bf16 on one machine and in float32 on another
+    distill["mixed_precision"] = resolve_mixed_precision(distill["mixed_precision"],
+                                                         "cuda" if torch.cuda.is_available() else "cpu")
     blob = json.dumps({"data": data_identity, "target": target_fingerprint, "drafter": asdict(cfg.drafter),
                        "distill": distill}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]

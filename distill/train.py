@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out_of_memory_bytes
 from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
+from distill.models import resolve_mixed_precision
 from distill.reduced_vocab import draft_vocabulary_of, restrict_logits
 from distill.rundir import make_shareable, require_free_space
 
@@ -156,9 +157,11 @@ def train_drafter(
             ``config.pad_token_id``, else its ``eos_token_id``, else 0.
         logger: optional object with ``log(metrics: dict, step: int)``.
         progress: show a tqdm bar (loss, completion tokens/s, expected acceptance).
-        mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"``: accelerate runs the drafter's forward
-            under autocast (weights and optimizer stay float32). bf16 is about 2x faster on CPUs
-            with AMX/AVX512-BF16 and on GPUs.
+        mixed_precision: ``"no"``, ``"bf16"``, ``"fp16"`` or ``"auto"``: accelerate runs the drafter's
+            forward under autocast (weights and optimizer stay float32). bf16 is about 2x faster on
+            CPUs with AMX/AVX512-BF16 and on GPUs, and ~40x slower in the backward pass on CPUs
+            without them (a scalar fallback); ``"auto"`` picks bf16 only where
+            :func:`distill.models.bf16_is_fast`.
         on_policy_fraction: lambda of GKD (Agarwal et al. 2024, Algorithm 1), in [0, 1]: each
             micro-batch is, with this probability, answered by the drafter itself (sampled at
             ``on_policy_temperature``, as many new tokens as the longest stored answer of the
@@ -460,6 +463,7 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
     from transformers import get_linear_schedule_with_warmup
 
     examples = _usable_examples(examples, max_seq_len, "training")
+    mixed_precision = resolve_mixed_precision(mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
     accelerator = Accelerator(gradient_accumulation_steps=grad_accum, mixed_precision=mixed_precision)
     _check_processes(accelerator)
     data_key = {"seed": seed, "batch_size": batch_size, "grad_accum": grad_accum,

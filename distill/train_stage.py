@@ -25,7 +25,8 @@ from distill.config import Config
 from distill.drafters import LoraSettings, build_drafter, merge_drafter
 from distill.errors import ConfigError, DraftsmithError, TokenizerMismatchError
 from distill.generate import load_generated
-from distill.models import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
+from distill.models import (ResolvedModel, bf16_is_fast, eos_token_ids, load_model, resolve_mixed_precision,
+                            resolve_model, tokenizers_compatible)
 from distill.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
 from distill.resume import find_finished, hold_lock, named_checkpoint, prepare_resume, resume_key
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
@@ -211,7 +212,8 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """
     d = cfg.distill
     if d.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=bf16 or no")
+        raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=auto or no")
+    mixed_precision = _mixed_precision(d.mixed_precision)
     check_qlora(cfg)
     check_layers_exist(cfg)
     named_checkpoint(d.resume)  # a wrong distill.resume folder is refused before data and models load
@@ -294,10 +296,11 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             batch_size=d.batch_size, grad_accum=d.grad_accum, max_seq_len=d.max_seq_len,
             warmup_steps=d.warmup_steps, weight_decay=d.weight_decay, seed=d.seed,
             output_dir=run_dir / "checkpoints", checkpoint_every=d.checkpoint_every, logger=logger,
-            mixed_precision=d.mixed_precision, resume_from=resume_from,
+            mixed_precision=mixed_precision, resume_from=resume_from,
             on_policy_fraction=d.on_policy_fraction, on_policy_temperature=d.on_policy_temperature,
             eos_token_ids=eos_token_ids(drafter, drafter_tok), keep_checkpoints=d.keep_checkpoints,
             validate_every=d.validate_every)
+        metrics["mixed_precision"] = mixed_precision  # what "auto" became on this machine
         # k the targets were cut to (the smallest among the runs that added examples)
         metrics["stored_top_k"] = min(r["store_top_k"] for r in [gen_manifest, *added]
                                       if r.get("examples", 1)) if stored else None
@@ -309,6 +312,17 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                                                 draft_ids, lock, metrics=metrics, draft_vocab=draft_vocab,
                                                 num_train=len(train_examples), num_val=len(val_examples),
                                                 load_s=load_s, resumed=resumed, added=added))
+
+
+def _mixed_precision(setting: str) -> str:
+    """``distill.mixed_precision`` resolved for this machine, with a warning for bf16 without bf16 hardware."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "bf16" and not bf16_is_fast(device) and parallel.is_main():
+        log.warning("distill.mixed_precision=bf16: this %s has no bf16 matrix units (CPUs need AVX512-BF16 or AMX), "
+                    "so torch runs a scalar fallback and a training step takes many times longer than in float32 "
+                    "(~40x for the backward pass on an AVX2 CPU); distill.mixed_precision=auto picks for you",
+                    device.upper())
+    return resolve_mixed_precision(setting, device)
 
 
 def _save_run(cfg: Config, run: StageRun, drafter, drafter_tok, target_res: ResolvedModel, base_res: ResolvedModel,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from decode.benchmark import benchmark, hf_assisted_defaults, run_target_alone
 from decode.quantization import QUANTIZATIONS, quantize_drafter, resolve_quantization
+from distill.config import auto_dtype
 from distill.errors import DraftsmithError
 from distill.models import eos_token_ids, load_model
 from distill.prompts import encode_prompt, load_prompts, split_prompts
@@ -106,7 +107,8 @@ def main() -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct",
                         help="a model name/path, or the drafter/ folder of a distill run")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="auto: bfloat16 where the hardware has bf16 units, else float32")
     parser.add_argument("--draft-lengths", type=int, nargs="+", default=[1, 2, 3, 4, 6])
     parser.add_argument("--schedules", nargs="+", default=["constant"], choices=("constant", "heuristic", "auto"),
                         help="auto runs once (K chosen by calibration), the others once per K")
@@ -126,6 +128,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmark_decoder"))
     args = parser.parse_args()
+    args.dtype = auto_dtype() if args.dtype == "auto" else args.dtype  # the labels name what ran
     if min(args.draft_lengths) < 1:
         parser.error("--draft-lengths must all be >= 1")
 

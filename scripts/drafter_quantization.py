@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from decode.quantization import PerTokenDynamicLinear, quantize_drafter
 from decode.speculative import _forward, _prefill, target_generate
+from distill.config import auto_dtype
 from distill.errors import DraftsmithError
 from distill.generate import load_generated
 from distill.models import eos_token_ids, load_model
@@ -79,10 +80,12 @@ def main() -> None:
     parser.add_argument("--generate", nargs="+", required=True, help="finished generate runs; their held-out prompts")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--dtype", default="bfloat16", help="dtype of target and unquantized drafter")
+    parser.add_argument("--dtype", default="auto", help="dtype of target and unquantized drafter (auto: bfloat16 "
+                        "where the hardware has bf16 units, else float32)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default="outputs/drafter_quantization", help="folder for the .md / .json")
     args = parser.parse_args()
+    args.dtype = auto_dtype() if args.dtype == "auto" else args.dtype  # the labels name what ran
 
     try:
         prompts = [p for run in args.generate for p in load_generated(Path(run))[1]]

@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--even", nargs="*", type=int, default=[], help="also N evenly spaced layers, for each N")
     parser.add_argument("--num-examples", type=int, default=24, help="answers scored (the first of the dataset)")
     parser.add_argument("--max-seq-len", type=int, default=512)
-    parser.add_argument("--dtype", default="bfloat16", help="drafter dtype (bfloat16, as drafters decode by default)")
+    parser.add_argument("--dtype", default="auto", help="drafter dtype (auto, as drafters decode by default)")
     parser.add_argument("--out", default="outputs/layer_choice", help="folder for layer_choice.md / .json")
     args = parser.parse_args()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+import torch
 
 from distill.cli import CONF_DIR
 from distill.config import Config, register_configs, to_config
@@ -226,3 +227,17 @@ def test_a_pipeline_given_a_run_refuses_settings_of_the_stage_it_skips(tmp_path,
     ok = cli("pipeline", "experiment=tiny", given, "decode.draft_length=2", "evaluate.num_prompts=1",
              f"outputs={tmp_path}", cwd=tmp_path)
     assert "would change nothing" not in ok.stderr and "does not exist" in ok.stderr, ok.stderr
+
+
+def test_dtype_auto_is_bfloat16_only_where_the_hardware_has_bf16_units(monkeypatch):
+    import distill.models
+
+    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device="cpu": False)
+    cfg = _compose()  # the shipped pair's yaml says dtype: auto
+    assert (cfg.target.dtype, cfg.drafter.dtype) == ("float32", "float32")
+    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device="cpu": True)
+    assert (_compose().target.dtype, _compose("drafter=pruned").drafter.dtype) == ("bfloat16", "bfloat16")
+    assert _compose("target.dtype=float32").target.dtype == "float32"  # a named dtype is kept as given
+    assert distill.models._parse_dtype("auto") == torch.bfloat16
+    with pytest.raises(ConfigError, match="target.dtype: must be one of"):
+        _compose("target.dtype=fp8")

@@ -65,7 +65,7 @@ def test_tiny_target_and_drafter_differ(cache):
 def test_load_dtype(cache):
     model, _, _ = load_model("tiny-drafter", dtype="bf16")
     assert model.dtype == torch.bfloat16
-    with pytest.raises(ConfigError, match="float32, bfloat16, float16"):
+    with pytest.raises(ConfigError, match="auto, float32, bfloat16, float16"):
         load_model("tiny-drafter", dtype="float8")
 
 

@@ -44,6 +44,17 @@ def test_resume_key_ignores_only_the_length_of_training():
     assert key != resume_key(base, "data-a", "other-target")
 
 
+def test_resume_key_holds_what_auto_mixed_precision_becomes_here(monkeypatch):
+    import distill.models
+
+    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device="cpu": False)
+    auto = resume_key(_compose("experiment=tiny"), "data-a", "fp")
+    assert auto == resume_key(_compose("experiment=tiny", "distill.mixed_precision=no"), "data-a", "fp")
+    assert auto != resume_key(_compose("experiment=tiny", "distill.mixed_precision=bf16"), "data-a", "fp")
+    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device="cpu": True)  # a machine with bf16 units
+    assert resume_key(_compose("experiment=tiny"), "data-a", "fp") != auto
+
+
 def test_resume_key_leaves_out_settings_that_others_make_moot():
     # experiment=tiny trains with loss=fkl and method=full: jsd_beta and the LoRA settings change nothing
     base = _compose("experiment=tiny")

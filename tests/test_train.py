@@ -108,6 +108,30 @@ def test_fkl_steps_reduce_loss_and_raise_acceptance(target, examples, tmp_path):
     assert not list(tmp_path.glob(".checkpoint-*"))
 
 
+def test_auto_mixed_precision_is_bf16_only_where_bf16_is_fast(monkeypatch, caplog):
+    import distill.models
+    import distill.train_stage
+
+    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device="cpu": False)
+    assert distill.models.resolve_mixed_precision("auto") == "no"
+    assert distill.models.resolve_mixed_precision("bf16") == "bf16" and distill.models.resolve_mixed_precision("no") == "no"
+    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device="cpu": True)
+    assert distill.models.resolve_mixed_precision("auto", "cuda") == "bf16"
+    # bf16 asked for on a CPU without bf16 units: trained as asked, with a warning that says why it is slow
+    monkeypatch.setattr(distill.train_stage, "bf16_is_fast", lambda device="cpu": False)
+    with caplog.at_level("WARNING"):
+        assert distill.train_stage._mixed_precision("bf16") == "bf16"
+    assert "no bf16 matrix units" in caplog.text and "distill.mixed_precision=auto" in caplog.text
+    caplog.clear()
+    assert distill.train_stage._mixed_precision("auto") in ("no", "bf16") and not caplog.text
+
+
+def test_train_drafter_takes_auto_mixed_precision(target, examples, tmp_path):
+    result = train_drafter(_sibling(), target, examples, loss="fkl", lr=1e-2, max_steps=1, batch_size=2,
+                           output_dir=tmp_path, mixed_precision="auto", progress=False)
+    assert result["steps"] == 1 and result["final_loss"] > 0
+
+
 def test_resume_matches_uninterrupted_run(target, examples, tmp_path):
     # 4 examples per step over 10 examples: the stream crosses an epoch boundary mid-batch
     settings = dict(loss="jsd", lr=5e-3, max_steps=4, batch_size=2, grad_accum=2, warmup_steps=1,
