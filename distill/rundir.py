@@ -151,6 +151,19 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def hardware() -> dict[str, Any]:
+    """What a run's speed figures depend on: the CPU's instruction set (torch's ``AVX2``, ``AVX512``, ...),
+    its core count, the GPU's name (None without CUDA) and whether bf16 has hardware units there
+    (:func:`distill.models.bf16_is_fast`, which ``dtype: auto`` follows)."""
+    import torch
+
+    from distill.models import bf16_is_fast
+
+    cuda = torch.cuda.is_available()
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if cuda else None, "bf16_fast": bf16_is_fast("cuda" if cuda else "cpu")}
+
+
 @dataclass
 class StageRun:
     """A stage's run folder and its manifest, finished by :meth:`complete`."""
@@ -167,7 +180,7 @@ class StageRun:
         path.mkdir(parents=True, exist_ok=True)
         (path / COMPLETE).unlink(missing_ok=True)
         write_text_atomic(path / "config.yaml", config_yaml)
-        manifest = {"stage": stage, "inputs": inputs or {}, "versions": package_versions(),
+        manifest = {"stage": stage, "inputs": inputs or {}, "versions": package_versions(), "hardware": hardware(),
                     "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         return cls(stage=stage, path=path, manifest=manifest)
 

@@ -57,7 +57,11 @@ def test_every_stage_folder_is_complete(tiny_run):
     run = Path(proc.stdout.strip().splitlines()[-1]).parent.parent
     for stage in ("generate", "distill", "evaluate", "export"):
         assert (run / stage / COMPLETE).is_file(), stage
-        assert json.loads((run / stage / "manifest.json").read_text())["stage"] == stage
+        manifest = json.loads((run / stage / "manifest.json").read_text())
+        assert manifest["stage"] == stage
+        # what the speed figures depend on, this machine's own answers
+        assert manifest["hardware"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        assert manifest["hardware"]["cpu_count"] == os.cpu_count() and isinstance(manifest["hardware"]["bf16_fast"], bool)
 
 
 def test_generated_dataset_is_disjoint_from_eval_prompts(tiny_run):
