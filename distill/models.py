@@ -510,8 +510,9 @@ def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None 
     return model, tokenizer, resolved
 
 
-def bf16_is_fast(device: str = "cpu") -> bool:
-    """Whether bfloat16 matrix products have hardware support on ``device`` ("cpu" or "cuda").
+def bf16_is_fast(device: str | None = None) -> bool:
+    """Whether bfloat16 matrix products have hardware support on ``device`` ("cpu" or "cuda"; None = the
+    device training and decoding use: CUDA if present, else the CPU).
 
     CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and later). CPU: oneDNN's bf16 path, which
     needs AVX512 (native with AVX512-BF16 or AMX). Without it torch falls back to a scalar bf16
@@ -521,6 +522,7 @@ def bf16_is_fast(device: str = "cpu") -> bool:
     """
     import torch
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     try:
@@ -529,7 +531,7 @@ def bf16_is_fast(device: str = "cpu") -> bool:
         return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def resolve_mixed_precision(setting: str, device: str = "cpu") -> str:
+def resolve_mixed_precision(setting: str, device: str | None = None) -> str:
     """``distill.mixed_precision`` as accelerate takes it: ``auto`` becomes ``bf16`` where
     :func:`bf16_is_fast` on ``device``, else ``no``; other values are returned as given."""
     if setting != "auto":

@@ -28,8 +28,6 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from distill.config import Config
 from distill.errors import ConfigError
 from distill.models import resolve_mixed_precision
@@ -66,8 +64,7 @@ def resume_key(cfg: Config, data_identity: str, target_fingerprint: str) -> str:
     distill = asdict(cfg.distill)
     distill = {k: v for k, v in distill.items() if k not in _NOT_IN_KEY and k not in _unused_settings(distill)}
     # what "auto" becomes here: the same command trains in bf16 on one machine and in float32 on another
-    distill["mixed_precision"] = resolve_mixed_precision(distill["mixed_precision"],
-                                                         "cuda" if torch.cuda.is_available() else "cpu")
+    distill["mixed_precision"] = resolve_mixed_precision(distill["mixed_precision"])
     blob = json.dumps({"data": data_identity, "target": target_fingerprint, "drafter": asdict(cfg.drafter),
                        "distill": distill}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]

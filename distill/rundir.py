@@ -161,7 +161,7 @@ def hardware() -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if cuda else None, "bf16_fast": bf16_is_fast("cuda" if cuda else "cpu")}
+            "gpu": torch.cuda.get_device_name(0) if cuda else None, "bf16_fast": bf16_is_fast()}
 
 
 @dataclass

@@ -463,7 +463,7 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
     from transformers import get_linear_schedule_with_warmup
 
     examples = _usable_examples(examples, max_seq_len, "training")
-    mixed_precision = resolve_mixed_precision(mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
+    mixed_precision = resolve_mixed_precision(mixed_precision)
     accelerator = Accelerator(gradient_accumulation_steps=grad_accum, mixed_precision=mixed_precision)
     _check_processes(accelerator)
     data_key = {"seed": seed, "batch_size": batch_size, "grad_accum": grad_accum,

@@ -316,13 +316,13 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
 
 def _mixed_precision(setting: str) -> str:
     """``distill.mixed_precision`` resolved for this machine, with a warning for bf16 without bf16 hardware."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if setting == "bf16" and not bf16_is_fast(device) and parallel.is_main():
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # named in the warning
+    if setting == "bf16" and not bf16_is_fast() and parallel.is_main():
         log.warning("distill.mixed_precision=bf16: this %s has no bf16 matrix units (CPUs need AVX512-BF16 or AMX), "
                     "so torch runs a scalar fallback and a training step takes many times longer than in float32 "
                     "(~40x for the backward pass on an AVX2 CPU); distill.mixed_precision=auto picks for you",
                     device.upper())
-    return resolve_mixed_precision(setting, device)
+    return resolve_mixed_precision(setting)
 
 
 def _save_run(cfg: Config, run: StageRun, drafter, drafter_tok, target_res: ResolvedModel, base_res: ResolvedModel,

@@ -112,13 +112,13 @@ def test_auto_mixed_precision_is_bf16_only_where_bf16_is_fast(monkeypatch, caplo
     import distill.models
     import distill.train_stage
 
-    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device="cpu": False)
+    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device=None: False)
     assert distill.models.resolve_mixed_precision("auto") == "no"
     assert distill.models.resolve_mixed_precision("bf16") == "bf16" and distill.models.resolve_mixed_precision("no") == "no"
-    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device="cpu": True)
+    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device=None: True)
     assert distill.models.resolve_mixed_precision("auto", "cuda") == "bf16"
     # bf16 asked for on a CPU without bf16 units: trained as asked, with a warning that says why it is slow
-    monkeypatch.setattr(distill.train_stage, "bf16_is_fast", lambda device="cpu": False)
+    monkeypatch.setattr(distill.train_stage, "bf16_is_fast", lambda device=None: False)
     with caplog.at_level("WARNING"):
         assert distill.train_stage._mixed_precision("bf16") == "bf16"
     assert "no bf16 matrix units" in caplog.text and "distill.mixed_precision=auto" in caplog.text
