@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+from decode.cpu_linear import use_onednn_linear
+
 QUANTIZATIONS = ("auto", "none", "int8-dynamic")
 
 
@@ -115,3 +117,17 @@ def quantize_drafter(model, mode: str):
         return torch.ao.quantization.quantize_dynamic(
             quantized, {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8,
             mapping={torch.nn.Linear: PerTokenDynamicLinear})
+
+
+def drafter_for_decoding(model, mode: str):
+    """The drafter as the decoder runs it: an int8 copy (:func:`quantize_drafter`), or ``model`` itself with its
+    float32 CPU linear layers swapped in place for oneDNN ones (:func:`decode.cpu_linear.use_onednn_linear`),
+    so pass a model that is only decoded from here on.
+
+    Raises:
+        ValueError: as :func:`quantize_drafter`.
+    """
+    runner = quantize_drafter(model, mode)
+    if runner is model:
+        use_onednn_linear(runner)
+    return runner

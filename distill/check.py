@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 from decode.benchmark import machine_busy, measure_cost_ratio, measure_verify_costs
 from decode.draft_length import choose_draft_length, expected_speedup
 from decode.metrics import DecodeStats
-from decode.quantization import quantize_drafter, resolve_quantization
+from decode.cpu_linear import use_onednn_linear
+from decode.quantization import drafter_for_decoding, resolve_quantization
 from decode.speculative import speculative_generate, target_generate
 from distill.config import Config
 from distill.drafters import describe_layers
@@ -129,7 +130,8 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
 
     prompts = [encode_prompt(tokenizer, p) for p in held_out]
     quantization = resolve_quantization(cfg.decode.drafter_quantization, target.device)
-    runner = quantize_drafter(drafter, quantization)
+    runner = drafter_for_decoding(drafter, quantization)
+    use_onednn_linear(target)  # float32 on a CPU: few-token forwards through oneDNN (decode.cpu_linear)
     eos = eos_token_ids(target, tokenizer)
     busy = machine_busy("check")  # prints a warning when other processes hold the CPUs
     start = time.perf_counter()

@@ -28,6 +28,7 @@ import torch
 from datasets import Dataset, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 
+from decode.cpu_linear import use_onednn_linear
 from distill.config import Config
 from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
 from distill.models import eos_token_ids, load_model, resolve_model
@@ -164,6 +165,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     run = StageRun.start("generate", run_dir, config_yaml)
     t0 = time.perf_counter()
     model, tokenizer, resolved = load_model(cfg.target.name, dtype=cfg.target.dtype)
+    use_onednn_linear(model)  # float32 on a CPU: a batch's few rows per step through oneDNN (decode.cpu_linear)
     load_s = time.perf_counter() - t0
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]

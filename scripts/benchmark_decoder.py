@@ -7,7 +7,8 @@ On the same prompts (by default the pipeline's held-out split of the mixed Human
 measures the target alone with transformers ``generate`` once, then for every draft length K and
 schedule: our decoder and transformers' assisted generation with the same drafter, K, schedule and
 confidence threshold. Prints a Markdown table (acceptance, tau, tokens/s, speedup, ours / HF, c,
-theoretical speedup and measured / theoretical), and writes it with the raw figures (per category and
+theoretical speedup and measured / theoretical, and one block's milliseconds measured against its draft and
+verify forwards timed alone: measured / cost model near 1 means the loop costs what its forwards cost), and writes it with the raw figures (per category and
 per position included) and a plot of speedup vs K to ``--out``. Figures belong to the torch stack on
 this machine (its 2 CPU cores here).
 """
@@ -19,8 +20,11 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from decode.benchmark import benchmark, hf_assisted_defaults, run_target_alone
-from decode.quantization import QUANTIZATIONS, quantize_drafter, resolve_quantization
+from decode.cpu_linear import use_onednn_linear
+from decode.quantization import QUANTIZATIONS, drafter_for_decoding, quantize_drafter, resolve_quantization
 from distill.config import auto_dtype
 from distill.errors import DraftsmithError
 from distill.models import eos_token_ids, load_model
@@ -28,7 +32,8 @@ from distill.prompts import encode_prompt, load_prompts, split_prompts
 from distill.rundir import write_json_atomic, write_text_atomic
 
 COLUMNS = ("| K | schedule | acceptance | tau | mean K | ours tok/s | HF assisted tok/s | ours / HF | speedup | "
-           "HF speedup | c | theoretical | measured / theoretical | identical (share of tokens before divergence) |")
+           "HF speedup | c | theoretical | measured / theoretical | verify cost | block ms: measured / draft + verify "
+           "| measured / cost model | identical (share of tokens before divergence) |")
 
 
 def _row(k, schedule, r) -> str:
@@ -38,8 +43,17 @@ def _row(k, schedule, r) -> str:
             f"{r['mean_accepted_tokens']:.2f} | {r['mean_draft_length']:.2f} | {r['speculative_tokens_per_s']:.2f} | "
             f"{fmt(hf.get('tokens_per_s'), '{:.2f}')} | {fmt(hf.get('ours_over_hf'), '{:.2f}x')} | "
             f"{r['speedup']:.2f}x | {fmt(hf.get('speedup'), '{:.2f}x')} | {r['cost_ratio']:.3f} | "
-            f"{r['theoretical_speedup']:.2f}x | {r['measured_over_theoretical']:.2f} | {r['outputs_match_target']} "
+            f"{r['theoretical_speedup']:.2f}x | {r['measured_over_theoretical']:.2f} | {fmt(r.get('verify_cost'), '{:.2f}')} | "
+            f"{_block(r.get('block_seconds'))} | {fmt((r.get('block_seconds') or {}).get('measured_over_cost_model'), '{:.2f}')} | "
+            f"{r['outputs_match_target']} "
             f"({fmt(r.get('identical_token_fraction'), '{:.3f}')}) |")
+
+
+def _block(seconds: dict | None) -> str:
+    """``measured / draft + verify`` milliseconds of one block (see ``decode.benchmark.block_seconds``)."""
+    if not seconds:
+        return "-"
+    return f"{seconds['measured'] * 1e3:.0f} / {seconds['draft'] * 1e3:.0f} + {seconds['verify'] * 1e3:.0f}"
 
 
 def _plot(rows: dict, path: Path) -> None:
@@ -77,8 +91,6 @@ def _batched(target, drafter, prompts, args, eos) -> dict:
     """Throughput of ``speculative_generate_batch`` over all prompts at batch size B and at 1, same K."""
     import time
 
-    import torch
-
     from decode.batched import speculative_generate_batch
     from decode.metrics import DecodeStats
 
@@ -115,6 +127,9 @@ def main() -> None:
     parser.add_argument("--confidence-threshold", type=float, default=0.0)
     parser.add_argument("--drafter-quantization", default="auto", choices=QUANTIZATIONS,
                         help="how our decoder runs the drafter (auto = int8-dynamic on CPU)")
+    parser.add_argument("--cpu-linear", default="onednn", choices=("onednn", "torch"),
+                        help="float32 linear layers on a CPU: oneDNN (decode.cpu_linear, what the stages use) or "
+                             "torch's own (MKL), to compare the two")
     parser.add_argument("--hf-drafter", default="same", choices=("same", "stored"),
                         help="HF assisted gets the same (possibly quantized) drafter module, or the stored one")
     parser.add_argument("--batch-size", type=int, default=0,
@@ -135,7 +150,12 @@ def main() -> None:
     target, tokenizer, _ = load_model(args.target, dtype=args.dtype)
     stored, _, _ = load_model(args.drafter, dtype=args.dtype)
     quantization = resolve_quantization(args.drafter_quantization, target.device)
-    drafter = quantize_drafter(stored, quantization)
+    if args.cpu_linear == "onednn":
+        use_onednn_linear(target)
+        drafter = drafter_for_decoding(stored, quantization) if args.hf_drafter == "same" \
+            else quantize_drafter(stored, quantization)
+    else:
+        drafter = quantize_drafter(stored, quantization)
     hf_drafter = drafter if args.hf_drafter == "same" else stored
     # the same held-out prompts as the pipeline's evaluate stage (seed 0)
     _, held_out = split_prompts(load_prompts(args.source), num_train=0, num_eval=args.num_prompts, seed=0)
@@ -157,7 +177,8 @@ def main() -> None:
     hf_label = "the same drafter module" if args.hf_drafter == "same" else f"the stored {args.dtype} drafter"
     lines = [f"Target `{args.target}`, drafter `{args.drafter}`, {args.dtype}; our decoder runs the drafter as "
              f"{quantization}, HF assisted generation gets {hf_label}. {len(prompts)} prompts x "
-             f"{args.max_new_tokens} tokens, greedy, confidence threshold {args.confidence_threshold}; "
+             f"{args.max_new_tokens} tokens, greedy, confidence threshold {args.confidence_threshold}; float32 CPU "
+             f"linear layers: {args.cpu_linear}; CPU capability {torch.backends.cpu.get_cpu_capability()}; "
              f"target alone (transformers generate) {first['target_tokens_per_s']:.2f} tokens/s.", "",
              COLUMNS, "|" + "---|" * (COLUMNS.count("|") - 1)]
     lines += [_row(k, s, r) for (k, s), r in rows.items()]
