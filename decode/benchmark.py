@@ -71,22 +71,33 @@ def forward_seconds(model, input_ids: torch.Tensor, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure_cost_ratio(target, drafter, prompts_ids: Sequence[Sequence[int]], repeats: int = 5) -> float:
-    """c = drafter 1-token forward time / target 1-token forward time (Leviathan et al. 2023, Sec. 3).
-
-    Both are measured with a KV cache after prefilling each prompt, median
-    over ``repeats`` calls, summed over the prompts.
+def measure_forward_seconds(target, drafter, prompts_ids: Sequence[Sequence[int]],
+                            repeats: int = 5) -> tuple[float, float]:
+    """Seconds of one cached 1-token forward of the target and of the drafter, each the median over
+    ``repeats`` calls after prefilling a prompt, averaged over the prompts ``prompts_ids``.
 
     Raises:
         ValueError: no prompts.
     """
     if not prompts_ids:
-        raise ValueError("measure_cost_ratio needs at least one prompt")
+        raise ValueError("measure_forward_seconds needs at least one prompt")
     target_s = draft_s = 0.0
     for ids in prompts_ids:
         input_ids = torch.tensor([list(ids)], device=target.device)
         target_s += forward_seconds(target, input_ids, repeats)
         draft_s += forward_seconds(drafter, input_ids, repeats)
+    return target_s / len(prompts_ids), draft_s / len(prompts_ids)
+
+
+def measure_cost_ratio(target, drafter, prompts_ids: Sequence[Sequence[int]], repeats: int = 5) -> float:
+    """c = drafter 1-token forward time / target 1-token forward time (Leviathan et al. 2023, Sec. 3).
+
+    Both are measured with a KV cache after prefilling each prompt (:func:`measure_forward_seconds`).
+
+    Raises:
+        ValueError: no prompts.
+    """
+    target_s, draft_s = measure_forward_seconds(target, drafter, prompts_ids, repeats)
     return draft_s / target_s
 
 
@@ -243,7 +254,8 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 
 def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greedy: bool,
-             verify_costs: Sequence[float] | None = None, target_engine: str = "hf") -> dict:
+             verify_costs: Sequence[float] | None = None, target_engine: str = "hf",
+             target_forward_s: float | None = None) -> dict:
     target = DecodeStats.merge([r.target.stats for r in runs])
     spec = DecodeStats.merge([r.speculative.stats for r in runs])
     mean_k = spec.mean_draft_length
@@ -283,6 +295,8 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
         verify = verify_costs[min(k_theory, len(verify_costs) - 1)]
         figures["verify_cost"] = verify
         figures["cost_model_speedup"] = spec.mean_accepted_tokens / (mean_k * cost_ratio + verify) if mean_k else 0.0
+        if target_forward_s and spec.accepted_per_block:
+            figures["block_seconds"] = block_seconds(spec, cost_ratio, verify, target_forward_s)
         choice = choose_draft_length(spec.per_position_acceptance, cost_ratio, accuracy=spec.acceptance_rate,
                                      verify_costs=verify_costs, max_k=max(8, len(verify_costs) - 1))
         measured = sum(a is not None for a in spec.per_position_acceptance)
@@ -302,6 +316,23 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
                                      if greedy else None),
         }
     return figures
+
+
+def block_seconds(spec: DecodeStats, cost_ratio: float, verify_cost: float, target_forward_s: float) -> dict:
+    """One speculative block's seconds, measured against the cost model of its forwards timed alone.
+
+    ``draft`` = mean K x c x t, ``verify`` = verify_cost(K) x t, with t the target's 1-token forward
+    (seconds) and c, verify_cost measured on the same host; ``measured`` = decode seconds / blocks;
+    ``overhead`` = measured - draft - verify: what the loop spends outside those forwards (cache crops,
+    host syncs, logits processing, or forwards slower inside the loop than alone).
+    ``measured_over_cost_model`` near 1 means the loop costs what its forwards cost.
+    """
+    blocks = len(spec.accepted_per_block)
+    draft = spec.mean_draft_length * cost_ratio * target_forward_s
+    verify = verify_cost * target_forward_s
+    measured = spec.decode_s / blocks
+    return {"measured": measured, "draft": draft, "verify": verify, "overhead": measured - draft - verify,
+            "measured_over_cost_model": measured / (draft + verify) if draft + verify > 0 else 0.0}
 
 
 def _prefix(run: _PromptRun) -> int:
@@ -430,7 +461,8 @@ def benchmark(
         ``mean_draft_length``, ``num_prompts``, ``new_tokens``,
         ``target_tokens_per_s``, ``speculative_tokens_per_s``, ``speedup``,
         ``cost_ratio``, ``verify_cost``, ``theoretical_speedup``,
-        ``cost_model_speedup``, ``measured_over_theoretical``,
+        ``cost_model_speedup``, ``measured_over_theoretical``, ``target_forward_s``,
+        ``block_seconds`` (one block measured against its forwards timed alone: :func:`block_seconds`),
         ``draft_length_choice`` (recommended K, the article's rule of thumb,
         expected speedup per K), ``outputs_match_target``, ``baselines``
         (``target``, ``hf_assisted`` or None), ``per_category`` (category ->
@@ -508,12 +540,19 @@ def benchmark(
         bar.set_postfix(acceptance=f"{pooled.acceptance_rate:.3f}", tau=f"{pooled.mean_accepted_tokens:.2f}")
 
     calibration_ids = [ids for _, _, ids in prompts[:3]]
-    cost_ratio = measure_cost_ratio(target, drafter, calibration_ids)
+    target_forward_s, draft_forward_s = measure_forward_seconds(target, drafter, calibration_ids)
+    cost_ratio = draft_forward_s / target_forward_s
     longest = max(max(r.speculative.stats.drafted_per_block, default=0) for r in runs)
     verify_costs = measure_verify_costs(target, calibration_ids[:1], min(max(8, longest), 16) + 1)
+    slow_verify = verify_costs[min(draft_length, len(verify_costs) - 1)]
+    if slow_verify > 2.0:
+        notes.append(f"verifying K + 1 = {draft_length + 1} tokens cost {slow_verify:.1f} one-token target forwards on "
+                     f"this host (about 1 where the weights are read once): speculation pays little here; see "
+                     f"docs/cpu_linear.md (float32 CPU layers go through oneDNN, decode.cpu_linear.use_onednn_linear)")
+        print(f"benchmark: warning: {notes[-1]}", flush=True)
 
     def figures(subset):
-        return _figures(subset, draft_length, cost_ratio, greedy, verify_costs, target_engine)
+        return _figures(subset, draft_length, cost_ratio, greedy, verify_costs, target_engine, target_forward_s)
 
     result = figures(runs)
     result["schedule"] = {"name": schedule if auto is None else "auto", "max_draft_length": max_draft_length,
@@ -521,6 +560,7 @@ def benchmark(
     if auto is not None:
         result["auto_draft_length"] = auto
     result["verify_costs"] = verify_costs
+    result["target_forward_s"] = target_forward_s  # 1-token target forward with a cache, timed alone
     result["notes"] = notes
     result["per_category"] = {category: figures([r for r in runs if r.category == category])
                               for category in sorted({r.category for r in runs})}
@@ -535,6 +575,10 @@ def benchmark(
             "speculative_tokens_per_s": r.speculative.stats.tokens_per_s,
             "outputs_match_target": torch.equal(r.speculative.new_tokens, r.target.new_tokens) if greedy else None,
             "first_divergence": first_divergence(r.speculative.new_tokens, r.target.new_tokens) if greedy else None,
+            # the blocks and tokens themselves, to check a simulation of this decoder against (decode.acceptance)
+            "accepted_per_block": r.speculative.stats.accepted_per_block,
+            "drafted_per_block": r.speculative.stats.drafted_per_block,
+            "output_ids": r.speculative.new_tokens.tolist(),
         }
         for r in runs
     ]

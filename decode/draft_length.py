@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from decode.metrics import verify_cost_at
+
 SCHEDULES = ("constant", "heuristic")
 
 
@@ -159,15 +161,7 @@ def choose_draft_length(per_position_acceptance: Sequence[float | None], cost_ra
         raise ValueError(f"max_k must be >= 1, got {max_k}")
     if cost_ratio < 0:
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
-    costs = {}
-    for k in range(1, max_k + 1):
-        if not verify_costs:
-            costs[k] = 1.0
-        elif k < len(verify_costs):
-            costs[k] = float(verify_costs[k])  # K drafts -> K + 1 tokens verified
-        else:  # extrapolate linearly from the last two measurements
-            step = verify_costs[-1] - verify_costs[-2] if len(verify_costs) > 1 else 0.0
-            costs[k] = float(verify_costs[-1] + step * (k + 1 - len(verify_costs)))
+    costs = {k: verify_cost_at(verify_costs, k) for k in range(1, max_k + 1)}
     by_k = {k: expected_speedup(per_position_acceptance, k, cost_ratio, costs[k]) for k in costs}
     best = max(by_k, key=lambda k: (by_k[k], -k))
     return DraftLengthChoice(best, by_k, rule_of_thumb_draft_length(accuracy), cost_ratio, costs, by_k[best] > 1.0)

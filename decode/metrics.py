@@ -16,6 +16,7 @@ Speculative Decoding", Sec. 3):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -25,9 +26,10 @@ class DecodeStats:
 
     Attributes:
         draft_length: K requested per block (0 for target-only decoding).
-        accepted_per_block: draft tokens accepted at each target forward (0..K).
-            Counts verification outcomes: drafts accepted after an EOS that
-            ended the output are still counted.
+        accepted_per_block: draft tokens accepted and output at each target
+            forward (0..K). A block cut by an EOS or a stop string counts the
+            drafts before the stopping token, which is the block's +1: so
+            ``sum(accepted + 1) == new_tokens`` for every generation.
         drafted_per_block: draft tokens proposed at each target forward (K, or
             fewer where ``max_new_tokens`` was near).
         target_forwards: target forwards after the prompt prefill.
@@ -183,3 +185,24 @@ def best_draft_length(alpha: float, cost_ratio: float, max_k: int = 16) -> int:
     speedups = [theoretical_speedup(alpha, k, cost_ratio) for k in range(1, max_k + 1)]
     return 1 + max(range(max_k), key=lambda i: (speedups[i], -i))
 
+
+
+def verify_cost_at(verify_costs: Sequence[float] | None, draft_length: int) -> float:
+    """Cost of verifying K + 1 tokens in 1-token target forwards, from ``verify_costs[n - 1]`` (n tokens,
+    as ``decode.benchmark.measure_verify_costs`` measures them); beyond the list, extended linearly from its
+    last two entries; 1.0 (Leviathan et al.'s free verification) without measurements."""
+    if not verify_costs:
+        return 1.0
+    if draft_length < len(verify_costs):
+        return float(verify_costs[draft_length])
+    step = verify_costs[-1] - verify_costs[-2] if len(verify_costs) > 1 else 0.0
+    return float(verify_costs[-1] + step * (draft_length + 1 - len(verify_costs)))
+
+
+def predicted_speedup(tau: float, mean_draft_length: float, cost_ratio: float, verify_cost: float) -> float:
+    """Speedup over the target alone from blocks' tau and measured costs: tau / (mean K x c + verify_cost).
+
+    Leviathan et al. 2023, Theorem 3.8, with tau counted (or simulated) instead of derived from an i.i.d.
+    alpha, and the measured cost of a (K+1)-token verification in 1-token forwards instead of 1.
+    """
+    return tau / (mean_draft_length * cost_ratio + verify_cost)

@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from decode.draft_length import make_schedule
 from decode.metrics import DecodeStats
+from decode.prompt_lookup import PromptLookupDrafter
 from decode.sampling import check_sampling_args, greedy_accept, process_logits, sample, speculative_accept
 from decode.stopping import StopStrings
 
@@ -90,6 +91,29 @@ def _prefill(model, prompt: torch.Tensor) -> DynamicCache:
     if prompt.shape[1] > 1:
         _forward(model, prompt[:, :-1].to(model.device), cache, last_only=True)
     return cache
+
+
+def _draft(drafter, cache: DynamicCache, seq: list[int], k: int, vocab: int, device, greedy: bool, probs_of,
+           generator, confidence_threshold: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Up to ``k`` draft tokens ``(n,)`` from a model drafter, one cached forward each, and (sampling) the
+    ``(1, vocab)`` distribution each was drawn from; stops early below ``confidence_threshold``."""
+    draft_input = torch.tensor([seq[cache.get_seq_length():]], device=drafter.device)
+    draft_tokens, draft_probs = [], []
+    for _ in range(k):
+        logits = _forward(drafter, draft_input, cache, last_only=True).to(device)
+        if greedy:
+            token = logits[:, :vocab].argmax(-1)
+        else:
+            draft_probs.append(probs_of(logits))
+            token = sample(draft_probs[-1], generator)
+        draft_tokens.append(token)
+        draft_input = token.view(1, 1).to(drafter.device)
+        if confidence_threshold > 0:
+            probs = torch.softmax(logits[:, :vocab].float(), -1) if greedy else draft_probs[-1]
+            if float(probs[0, token]) < confidence_threshold:
+                break
+    tokens = torch.cat(draft_tokens) if draft_tokens else torch.zeros(0, dtype=torch.long, device=device)
+    return tokens, draft_probs
 
 
 @torch.inference_mode()
@@ -163,14 +187,15 @@ def speculative_generate(
     stopper = StopStrings(stop_strings, tokenizer)
     check_sampling_args(temperature, top_k, top_p)
     device, greedy, eos = target.device, temperature == 0, set(eos_token_ids)
-    vocab = min(_vocab_size(target), _vocab_size(drafter))
+    lookup = isinstance(drafter, PromptLookupDrafter)
+    vocab = _vocab_size(target) if lookup else min(_vocab_size(target), _vocab_size(drafter))
     stats = DecodeStats(draft_length=draft_length)
 
     def probs_of(logits):  # (n, V_model) -> float32 (n, vocab)
         return process_logits(logits[:, :vocab], temperature, top_k, top_p)
 
     start = time.perf_counter()
-    target_cache, draft_cache = _prefill(target, input_ids), _prefill(drafter, input_ids)
+    target_cache, draft_cache = _prefill(target, input_ids), None if lookup else _prefill(drafter, input_ids)
     _sync(device)
     stats.prefill_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -179,25 +204,15 @@ def speculative_generate(
     prompt_len = len(seq)
     while len(seq) - prompt_len < max_new_tokens:
         k = min(draft_schedule.next_length(), max_new_tokens - (len(seq) - prompt_len) - 1)
-        # 1. Draft up to k tokens; the first forward also feeds whatever the drafter has not seen yet.
-        draft_input = torch.tensor([seq[draft_cache.get_seq_length():]], device=drafter.device)
-        draft_tokens, draft_probs = [], []
-        for _ in range(k):
-            logits = _forward(drafter, draft_input, draft_cache, last_only=True).to(device)
-            if greedy:
-                token = logits[:, :vocab].argmax(-1)
-            else:
-                draft_probs.append(probs_of(logits))
-                token = sample(draft_probs[-1], generator)
-            draft_tokens.append(token)
-            draft_input = token.view(1, 1).to(drafter.device)
-            stats.draft_forwards += 1
-            if confidence_threshold > 0:
-                probs = torch.softmax(logits[:, :vocab].float(), -1) if greedy else draft_probs[-1]
-                if float(probs[0, token]) < confidence_threshold:
-                    break
+        # 1. Draft up to k tokens (the model's first forward also feeds what it has not seen yet).
+        if lookup:
+            draft_tokens = torch.tensor(drafter.propose(seq, k), dtype=torch.long, device=device)
+            draft_probs = [torch.nn.functional.one_hot(draft_tokens, vocab).float()] if len(draft_tokens) else []
+        else:
+            draft_tokens, draft_probs = _draft(drafter, draft_cache, seq, k, vocab, device, greedy, probs_of,
+                                               generator, confidence_threshold)
+            stats.draft_forwards += len(draft_tokens)
         k = len(draft_tokens)
-        draft_tokens = torch.cat(draft_tokens) if k else torch.zeros(0, dtype=torch.long, device=device)
 
         # 2. Verify [last token, d_1..d_k] in one target forward: k+1 next-token distributions.
         verify_input = torch.cat([torch.tensor(seq[-1:], device=device), draft_tokens]).unsqueeze(0)
@@ -213,8 +228,6 @@ def speculative_generate(
         # 3. Emit accepted drafts + correction/bonus (one host sync), stop at EOS.
         *block, n = torch.cat([draft_tokens, next_token.view(1), num_accepted.view(1)]).tolist()
         block = block[:n] + block[k:]
-        stats.accepted_per_block.append(n)
-        stats.drafted_per_block.append(k)
         draft_schedule.update(k, n)
         stop = next((i for i, token in enumerate(block) if token in eos), None)
         checked = len(seq) - prompt_len
@@ -224,10 +237,14 @@ def speculative_generate(
             if text_stop is not None:
                 del seq[prompt_len + text_stop + 1:]
                 stop = text_stop
+        # drafts accepted past an EOS or stop string are not output: the stopping token is the block's +1
+        stats.accepted_per_block.append(min(n, len(seq) - prompt_len - checked - 1))
+        stats.drafted_per_block.append(k)
 
         # 4. Roll back: both caches keep at most seq[:-1] (rejected drafts are dropped).
         _crop(target_cache, len(seq) - 1)
-        _crop(draft_cache, len(seq) - 1)
+        if draft_cache is not None:
+            _crop(draft_cache, len(seq) - 1)
         if stop is not None:
             break
 

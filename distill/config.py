@@ -254,7 +254,11 @@ class DecodeConfig:
 class EvaluateConfig:
     """Stage 3: measure the drafter before and after distillation on held-out prompts."""
 
-    num_prompts: int = 6  # held-out evaluation prompts (never used for training)
+    # held-out evaluation prompts (never used for training): the target answers all of them once (batched) and
+    # every drafter's acceptance and tau on them are simulated exactly from one teacher-forced pass
+    num_prompts: int = 128
+    timed_prompts: int = 6  # the first (at most num_prompts) also decoded in real time: tokens/s, c, verify costs
+    prompt_lookup: bool = True  # also simulate prompt-lookup drafting (no model), the free baseline
     # a prompt file (the format data=file reads) to evaluate on instead of the generate run's held-out prompts:
     # its first num_prompts; prompts that were in the distill run's training data are counted in the report
     prompts: Optional[str] = None
@@ -268,6 +272,7 @@ class EvaluateConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "evaluate.num_prompts", "must be >= 1")
+        _check(self.timed_prompts >= 1, "evaluate.timed_prompts", "must be >= 1 (at most num_prompts are timed)")
         _check(all(isinstance(n, str) and n.strip() for n in self.compare_drafters), "evaluate.compare_drafters",
                f"must be a list of model names or folders, e.g. [qwen2.5-coder-0.5b-instruct]; got {self.compare_drafters}")
         self.compare_drafters = list(self.compare_drafters)

@@ -11,6 +11,7 @@ the undistilled drafter. Writes ``report.json``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -20,8 +21,10 @@ from typing import Any
 
 import torch
 
+from decode.acceptance import paired_tau_difference
 from decode.benchmark import benchmark, machine_busy, run_target_alone
-from decode.quantization import quantize_drafter, resolve_quantization
+from decode.cpu_linear import use_onednn_linear
+from decode.quantization import drafter_for_decoding, resolve_quantization
 from distill.config import Config
 from distill.errors import DraftsmithError
 from distill.generate import load_generated
@@ -30,6 +33,14 @@ from distill.prompts import Prompt, encode_prompt, load_prompts
 from distill.reduced_vocab import draft_vocabulary_of, load_drafter, reduce_vocabulary
 from distill.report import write_report_markdown, write_report_plots
 from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
+from distill.simulation import (
+    answer_all,
+    prompt_lookup_section,
+    settings_of,
+    simulated_drafter,
+    simulation_check,
+    teacher_forced,
+)
 from distill.tracking import make_logger, run_name
 from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
 
@@ -113,6 +124,20 @@ def _as_distilled(cfg: Config, info: dict[str, Any]) -> Config:
     return dataclasses.replace(cfg, drafter=drafter)
 
 
+def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settings: dict, vocab: int, runner,
+                     hf_assisted: bool = False, check: bool = False) -> tuple[dict[str, Any], list]:
+    """One drafter as the decoder runs it: timed on ``timed`` (``decode.benchmark``), then its exact acceptance
+    on every prompt's answer under ``simulated`` (and ``simulation_check`` with ``check``); returns the figures
+    and the per-prompt block totals (for paired differences)."""
+    figures = benchmark(target, runner, timed, hf_assisted=hf_assisted, target_outputs=alone, **settings)
+    simulation = settings_of(cfg.decode, figures)
+    samples = teacher_forced(target, runner, prompts, answers, cfg.decode, vocab)
+    figures["simulated"], totals = simulated_drafter(samples, simulation, figures, cfg.evaluate.seed)
+    if check:
+        figures["simulation_check"] = simulation_check(runner, figures, timed, simulation, vocab)
+    return figures, totals
+
+
 def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run stage 3 into ``run_dir``; returns the path of ``report.json``.
 
@@ -133,6 +158,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     t0 = time.perf_counter()
     target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
     tuned, info = load_tuned_drafter(distill_dir, cfg.drafter.dtype)
+    tuned_parameters = sum(p.numel() for p in tuned.parameters())
     if info["target_fingerprint"] != target_res.fingerprint:
         raise DraftsmithError(
             f"the drafter in {distill_dir} was tuned for target {info['target_name']!r} "
@@ -177,16 +203,24 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                 for m in (target, tuned, base, *others.values()) if m is not None)
     busy = machine_busy("evaluate")
     quantization = resolve_quantization(dec.drafter_quantization, target.device)
-    tuned_run = quantize_drafter(tuned, quantization)  # the drafter as the decoder runs it
-    print(f"evaluate: target alone on {len(prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}prompts")
-    alone = run_target_alone(target, prompts, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
+    use_onednn_linear(target)  # float32 on a CPU: few-token forwards through oneDNN (decode.cpu_linear)
+    timed = prompts[:cfg.evaluate.timed_prompts]
+    print(f"evaluate: the target answers all {len(prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}"
+          f"prompts (batched), for the exact acceptance of every drafter")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    answers = answer_all(target, prompts, dec, eos=eos, pad_id=pad_id, batch_size=cfg.generate.batch_size,
+                         seed=cfg.evaluate.seed)
+    print(f"evaluate: target alone on {len(timed)} of them, timed (evaluate.timed_prompts)")
+    alone = run_target_alone(target, timed, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
+    measure = functools.partial(_measure_drafter, cfg, target, timed, prompts, answers, alone, settings, vocab)
     print("evaluate: distilled drafter")
-    report: dict[str, Any] = benchmark(target, tuned_run, prompts, hf_assisted=cfg.evaluate.hf_assisted,
-                                       target_outputs=alone, **settings)
+    report, tuned_totals = measure(drafter_for_decoding(tuned, quantization), hf_assisted=cfg.evaluate.hf_assisted,
+                                   check=True)
     if base is not None:
         print("evaluate: undistilled drafter on the same prompts")
-        report["baseline_drafter"] = benchmark(target, quantize_drafter(base, quantization), prompts,
-                                               hf_assisted=False, target_outputs=alone, **settings)
+        report["baseline_drafter"], base_totals = measure(drafter_for_decoding(base, quantization))
+        report["paired_difference"] = {**paired_tau_difference(tuned_totals, base_totals, seed=cfg.evaluate.seed),
+                                       "of": "distilled minus undistilled, simulated tau on the same prompts"}
         if draft_vocab is not None:
             report["baseline_drafter"]["draft_vocab_size"] = int(draft_vocab.numel())
         del base
@@ -194,14 +228,17 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         report["compared_drafters"] = {}
     for name in list(others):
         print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts")
-        report["compared_drafters"][name] = benchmark(target, quantize_drafter(others.pop(name), quantization),
-                                                      prompts, hf_assisted=False, target_outputs=alone, **settings)
-    del tuned_run
+        report["compared_drafters"][name], _ = measure(drafter_for_decoding(others.pop(name), quantization))
+    if cfg.evaluate.prompt_lookup:
+        lookup = prompt_lookup_section(prompts, answers, settings_of(dec, report), report.get("verify_costs"),
+                                       cfg.evaluate.seed)
+        if lookup:
+            report["baselines"]["prompt_lookup"] = lookup
 
     report.update({
         "target": {"name": cfg.target.name, "fingerprint": target_res.fingerprint, "dtype": cfg.target.dtype},
         "drafter": {**info, "dtype": cfg.drafter.dtype, "path": str(distill_dir / DRAFTER_DIR),
-                    "parameters": sum(p.numel() for p in tuned.parameters())},
+                    "parameters": tuned_parameters},
         "decode": {**asdict(dec), "drafter_quantization_used": quantization},
         "engine": f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
         if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA",

@@ -26,6 +26,13 @@ from distill.errors import DraftsmithError
 from distill.rundir import REUSED, StageRun, is_complete, read_manifest, write_text_atomic
 
 FIGURES = (  # (column, path in report.json)
+    # exact, on every held-out prompt (decode.acceptance); the timed figures below cover evaluate.timed_prompts
+    ("simulated_tau", ("simulated", "mean_accepted_tokens")),
+    ("simulated_acceptance", ("simulated", "acceptance_rate")),
+    ("simulated_prompts", ("simulated", "num_prompts")),
+    ("baseline_simulated_tau", ("baseline_drafter", "simulated", "mean_accepted_tokens")),
+    ("tau_gain", ("paired_difference", "mean_accepted_tokens")),
+    ("prompt_lookup_tau", ("baselines", "prompt_lookup", "simulated", "mean_accepted_tokens")),
     ("acceptance_rate", ("acceptance_rate",)),
     ("mean_accepted_tokens", ("mean_accepted_tokens",)),
     ("speculative_tokens_per_s", ("speculative_tokens_per_s",)),
@@ -186,7 +193,8 @@ def render(rows: list[dict[str, Any]], swept: list[str], sweep: Path) -> tuple[s
     writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    shown = ["job", *swept, "drafter", "status", "acceptance_rate", "mean_accepted_tokens", "speedup",
+    shown = ["job", *swept, "drafter", "status", "simulated_tau", "tau_gain", "acceptance_rate", "mean_accepted_tokens",
+             "speedup",
              "baseline_speedup", "val_expected_acceptance", "val_top1_agreement", "distill_s", "outputs_match_target"]
     planned = planned_jobs(sweep)
     missing = (f" {planned - len(rows)} of the {planned} planned jobs never started: Hydra stops a sweep at its "
@@ -208,7 +216,9 @@ def plot(rows: list[dict[str, Any]], swept: list[str], folder: Path) -> list[Pat
 
     logging.getLogger("matplotlib.category").setLevel(logging.WARNING)  # "Using categorical units..." per call
     done = [r for r in rows if r["status"].startswith("finished")]
-    if any(r.get("speedup") is not None for r in done):
+    if any(r.get("simulated_tau") is not None for r in done):
+        shown = (("simulated_tau", "tau, every held-out prompt (simulated)"), ("speedup", "speedup (timed prompts)"))
+    elif any(r.get("speedup") is not None for r in done):
         shown = (("speedup", "speedup vs target alone"), ("acceptance_rate", "acceptance rate"))
     else:  # a distill sweep: the held-out predictors of acceptance
         shown = (("val_top1_agreement", "held-out top-1 agreement"),

@@ -73,6 +73,64 @@ def _eval_set(report: dict[str, Any]) -> str:
     return f"prompts of `{eval_set['source']}` (`evaluate.prompts`; {overlap})"
 
 
+def _ci(figures: dict[str, Any], key: str, fmt: str) -> str:
+    """``value [lo, hi]`` from a ``simulated`` entry and its ``ci95``."""
+    interval = (figures.get("ci95") or {}).get(key)
+    text = _fmt(figures.get(key), fmt)
+    return f"{text} [{_fmt(interval[0], fmt)}, {_fmt(interval[1], fmt)}]" if interval else text
+
+
+def simulated_drafters(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Label -> ``simulated`` entry of every drafter in the report, in a fixed order."""
+    rows = {}
+    for label, entry in (("undistilled drafter", report.get("baseline_drafter") or {}), ("distilled drafter", report),
+                         *(((f"`{short_name(n)}`", o) for n, o in (report.get("compared_drafters") or {}).items())),
+                         ("prompt lookup (no model)", ((report.get("baselines") or {}).get("prompt_lookup") or {}))):
+        if entry.get("simulated"):
+            rows[label] = entry["simulated"]
+    return rows
+
+
+def _simulated_lines(report: dict[str, Any]) -> list[str]:
+    """The exact (simulated) acceptance table over every held-out prompt, the paired difference and the check."""
+    rows = simulated_drafters(report)
+    if not rows:
+        return []
+    first = next(iter(rows.values()))
+    k = str(first.get("draft_length"))
+    lines = ["## Acceptance on every held-out prompt (simulated exactly from teacher-forced passes)", "",
+             f"{first.get('num_prompts')} prompts, {first.get('num_tokens')} target tokens, {first.get('kind')}, "
+             f"K = {k} ({first.get('schedule')}); 95% intervals are bootstraps over prompts. Predicted speedup = "
+             "tau / (K c + verify cost), with c and the verify cost measured in this run's timed decoding.", "",
+             "| drafter | acceptance | tau | predicted speedup at K | best K | predicted speedup at best K | "
+             "heuristic schedule tau |", "|---|---|---|---|---|---|---|"]
+    for label, sim in rows.items():
+        best = sim.get("recommended_draft_length")
+        per_k = sim.get("per_k") or {}
+        lines.append(f"| {label} | {_ci(sim, 'acceptance_rate', '{:.3f}')} | {_ci(sim, 'mean_accepted_tokens', '{:.2f}')} | "
+                     f"{_fmt((per_k.get(k) or {}).get('predicted_speedup'), '{:.2f}x')} | {_fmt(best, '{}')} | "
+                     f"{_fmt((per_k.get(str(best)) or {}).get('predicted_speedup'), '{:.2f}x')} | "
+                     f"{_fmt((sim.get('heuristic') or {}).get('mean_accepted_tokens'), '{:.2f}')} |")
+    paired = report.get("paired_difference")
+    if paired:
+        lo, hi = paired["ci95"]
+        verdict = ("the interval excludes 0: distillation changed tau" if lo > 0 or hi < 0 else
+                   "the interval includes 0: no difference shown at this size")
+        lines += ["", f"Paired difference, distilled minus undistilled tau on the same prompts: "
+                  f"{paired['mean_accepted_tokens']:+.3f} [{lo:+.3f}, {hi:+.3f}] ({verdict})."]
+    check = report.get("simulation_check")
+    if check:
+        lines += ["", f"Simulation check on the {check['prompts']} timed prompts (simulated on the decoder's own output): "
+                  f"{check['identical_blocks']} of {check['blocks']} blocks identical."]
+    per_cat = first if "distilled drafter" not in rows else rows["distilled drafter"]
+    categories = per_cat.get("per_category") or {}
+    if len(categories) > 1:
+        lines += ["", "| category (distilled drafter) | prompts | acceptance | tau |", "|---|---|---|---|"]
+        lines += [f"| {c} | {f.get('num_prompts')} | {_ci(f, 'acceptance_rate', '{:.3f}')} | "
+                  f"{_ci(f, 'mean_accepted_tokens', '{:.2f}')} |" for c, f in sorted(categories.items())]
+    return lines + [""]
+
+
 def render_report_markdown(report: dict[str, Any]) -> str:
     """A Markdown page: the before/after table, HF assisted baseline, per-category and per-position figures."""
     base = report.get("baseline_drafter") or {}
@@ -85,6 +143,9 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         f"{(report.get('decode') or {}).get('drafter_quantization_used', 'stored')}.", "",
     ]
     lines += _training_data(report)
+    lines += _simulated_lines(report)
+    if report.get("simulated"):
+        lines += [f"## Timed decoding on {report.get('num_prompts')} of the prompts (`evaluate.timed_prompts`)", ""]
     # evaluate.compare_drafters: other (untrained) drafters measured in the same run, one column each
     others = report.get("compared_drafters") or {}
     lines += ["| figure | undistilled drafter | distilled drafter |" + "".join(f" `{short_name(n)}` |" for n in others),
@@ -269,6 +330,26 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
         ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
         written.append(folder / "expected_vs_measured_acceptance.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    simulated = simulated_drafters(report)
+    if simulated:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+        for i, (label, sim) in enumerate(simulated.items()):
+            ks = sorted(int(k) for k in sim.get("per_k") or {})
+            ax.plot(ks, [sim["per_k"][str(k)]["mean_accepted_tokens"] for k in ks], marker=".", color=f"C{i}",
+                    label=label.strip("`"))
+            speedups = [sim["per_k"][str(k)].get("predicted_speedup") for k in ks]
+            if all(v is not None for v in speedups):
+                ax2.plot(ks, speedups, marker=".", color=f"C{i}", label=label.strip("`"))
+        ax.set(xlabel="draft length K", ylabel="tau (tokens per target forward)", ylim=(0, None),
+               title=f"simulated, {next(iter(simulated.values())).get('num_prompts')} prompts")
+        ax2.axhline(1.0, color="black", lw=0.6)
+        ax2.set(xlabel="draft length K", ylabel="predicted speedup", ylim=(0, None), title="with measured c, verify cost")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(folder / "simulated_vs_k.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 

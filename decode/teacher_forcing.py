@@ -1,0 +1,157 @@
+"""The model passes behind ``decode.acceptance``: the target's answers, batched, and teacher-forced passes.
+
+* :func:`target_answers`: the target answers many prompts, left-padded batches of similar length
+  through transformers' ``generate`` (greedy, or sampled with a seed).
+* :func:`drafter_predictions`: one forward of the drafter over prompt + answer per prompt, in ragged
+  right-padded batches with an attention mask; the LM head runs only on the answer positions.
+* :func:`sampling_betas`: the same pass through both models, ``beta_t = 1 - TV`` per answer position.
+
+Pass the drafter as the decoder runs it (same dtype, int8 quantization, reduced vocabulary head): the
+argmaxes are then the decoder's, up to the rounding of a full forward against the incremental one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from decode.sampling import process_logits
+
+
+def _vocab_size(model) -> int:
+    return model.config.get_text_config().vocab_size
+
+
+def _by_length(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length: at most ``max_rows`` rows and about ``max_tokens``
+    padded tokens each (a longer sequence gets a batch of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and ((len(current) + 1) * lengths[i] > max_tokens or len(current) == max_rows):
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + ([current] if current else [])
+
+
+@torch.inference_mode()
+def target_answers(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Sequence[int],
+                   pad_token_id: int, batch_size: int = 8, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, seed: int = 0, progress: bool = True) -> list[list[int]]:
+    """The target's answer to each prompt (token ids, up to and including the first EOS), in input order.
+
+    Prompts of similar length share a left-padded batch (less padding to compute); greedy unless
+    ``temperature`` > 0 (then torch's global generator is seeded with ``seed`` per batch).
+
+    Raises:
+        ValueError: batch_size < 1.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0
+                else dict(do_sample=False, temperature=None, top_k=None, top_p=None))
+    eos, answers = set(eos_token_ids), [None] * len(prompts)
+    batches = _by_length([len(p) for p in prompts], max_tokens=1 << 30, max_rows=batch_size)
+    bar = tqdm(total=len(prompts), desc="target answers", unit="prompt", disable=not progress)
+    for number, rows in enumerate(batches):
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(rows):
+            ids[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
+            mask[r, width - len(prompts[i]):] = 1
+        if temperature > 0:
+            torch.manual_seed(seed * 1_000_003 + number)
+        out = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                              max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_ids) or None,
+                              pad_token_id=pad_token_id, repetition_penalty=1.0, **sampling)
+        for r, i in enumerate(rows):
+            row = out[r, width:].tolist()
+            end = next((j + 1 for j, token in enumerate(row) if token in eos), len(row))
+            answers[i] = row[:end]
+        bar.update(len(rows))
+    bar.close()
+    return answers
+
+
+def _right_padded(sequences: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(sequences):
+        ids[r, :len(s)] = torch.tensor(s)
+        mask[r, :len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _answer_logits(model, prompts: list[list[int]], answers: list[list[int]], vocab: int) -> list[torch.Tensor]:
+    """Per prompt, the model's logits ``(len(answer), vocab)`` predicting each answer token (float32)."""
+    sequences = [list(p) + list(a) for p, a in zip(prompts, answers)]
+    ids, mask = _right_padded(sequences, model.device)
+    hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (batch, seq, hidden)
+    rows = [(r, len(p) - 1 + t) for r, (p, a) in enumerate(zip(prompts, answers)) for t in range(len(a))]
+    if not rows:
+        return [torch.zeros(0, vocab) for _ in prompts]
+    picked = hidden[torch.tensor([r for r, _ in rows]), torch.tensor([t for _, t in rows])]  # (positions, hidden)
+    logits = model.get_output_embeddings()(picked)[:, :vocab].float()
+    return list(torch.split(logits, [len(a) for a in answers]))
+
+
+@torch.inference_mode()
+def drafter_predictions(drafter, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *,
+                        vocab_size: int | None = None, batch_tokens: int = 4096,
+                        progress: bool = True) -> list[tuple[list[int], list[float]]]:
+    """Per prompt, the drafter's argmax ``(n,)`` after prompt + ``answer[:t]`` and its softmax probability
+    ``(n,)``, for each answer position t, over the first ``vocab_size`` logits (the vocabulary the decoder
+    shares between the models; None = the drafter's).
+
+    Raises:
+        ValueError: a prompt with no tokens, or prompts and answers of different counts.
+    """
+    if len(prompts) != len(answers) or any(len(p) == 0 for p in prompts):
+        raise ValueError("drafter_predictions needs one answer per prompt and prompts of at least one token")
+    vocab = vocab_size or _vocab_size(drafter)
+    results: list = [None] * len(prompts)
+    lengths = [len(p) + len(a) for p, a in zip(prompts, answers)]
+    batches = _by_length(lengths, batch_tokens, max_rows=64)
+    with tqdm(total=sum(len(a) for a in answers), desc="teacher-forced drafter", unit="tok",
+              disable=not progress) as bar:
+        for rows in batches:
+            logits = _answer_logits(drafter, [list(prompts[i]) for i in rows], [list(answers[i]) for i in rows], vocab)
+            for i, row_logits in zip(rows, logits):
+                top = torch.softmax(row_logits, -1).max(-1)
+                results[i] = (top.indices.tolist(), top.values.tolist())
+                bar.update(len(answers[i]))
+    return results
+
+
+@torch.inference_mode()
+def sampling_betas(target, drafter, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *,
+                   temperature: float, top_k: int = 0, top_p: float = 1.0, batch_tokens: int = 1024,
+                   progress: bool = True) -> list[list[float]]:
+    """Per prompt, ``beta_t = sum_x min(p_target(x), q_draft(x)) = 1 - TV`` ``(n,)`` at each answer position,
+    both distributions processed as the decoder samples (``decode.sampling.process_logits``) over the
+    common vocabulary (Leviathan et al. 2023, Sec. 3, Lemma 3.3).
+
+    Raises:
+        ValueError: temperature <= 0 (greedy needs no betas) or mismatched inputs.
+    """
+    if temperature <= 0:
+        raise ValueError("sampling_betas needs temperature > 0")
+    if len(prompts) != len(answers):
+        raise ValueError("sampling_betas needs one answer per prompt")
+    vocab = min(_vocab_size(target), _vocab_size(drafter))
+    results: list = [None] * len(prompts)
+    batches = _by_length([len(p) + len(a) for p, a in zip(prompts, answers)], batch_tokens, max_rows=16)
+    for rows in tqdm(batches, desc="teacher-forced betas", unit="batch", disable=not progress):
+        batch_prompts, batch_answers = [list(prompts[i]) for i in rows], [list(answers[i]) for i in rows]
+        target_logits = _answer_logits(target, batch_prompts, batch_answers, vocab)
+        draft_logits = _answer_logits(drafter, batch_prompts, batch_answers, vocab)
+        for i, t_logits, d_logits in zip(rows, target_logits, draft_logits):
+            target_probs = process_logits(t_logits, temperature, top_k, top_p)
+            draft_probs = process_logits(d_logits, temperature, top_k, top_p)
+            results[i] = torch.minimum(target_probs, draft_probs).sum(-1).clamp(0.0, 1.0).tolist()
+    return results

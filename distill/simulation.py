@@ -1,0 +1,99 @@
+"""evaluate's exact acceptance: the target answers every held-out prompt once, each drafter is teacher-forced
+over those answers, and ``decode.acceptance`` replays the decoder's blocks (see its docstring).
+
+The timed decoder runs on a few of the prompts only (``evaluate.timed_prompts``); it gives c and the
+verification costs that turn simulated tau into a predicted speedup, and ``simulation_check`` compares its
+blocks with the simulation's on the decoder's own output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from decode.acceptance import SimulationSettings, TeacherForced, simulate, simulated_section
+from decode.prompt_lookup import DEFAULT_MAX_NGRAM
+from decode.teacher_forcing import drafter_predictions, sampling_betas, target_answers
+
+Prompts = list[tuple[str, str, list[int]]]  # (prompt_id, category, token ids)
+
+
+def settings_of(decode_cfg, timed: dict[str, Any]) -> SimulationSettings:
+    """The simulated decoder settings: the config's, at the K the timed run used (``schedule=auto`` chose one)."""
+    auto = decode_cfg.schedule == "auto"
+    return SimulationSettings(draft_length=int(timed.get("draft_length") or decode_cfg.draft_length),
+                              max_new_tokens=decode_cfg.max_new_tokens,
+                              schedule="constant" if auto else decode_cfg.schedule,
+                              max_draft_length=None if auto else decode_cfg.max_draft_length,
+                              confidence_threshold=decode_cfg.confidence_threshold,
+                              sampling=decode_cfg.temperature > 0)
+
+
+def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: int, batch_size: int,
+               seed: int) -> list[list[int]]:
+    """The target's answers to every prompt, as the decoder would emit them (greedy, or sampled with ``seed``)."""
+    return target_answers(target, [ids for _, _, ids in prompts], max_new_tokens=decode_cfg.max_new_tokens,
+                          eos_token_ids=eos, pad_token_id=pad_id, batch_size=batch_size,
+                          temperature=decode_cfg.temperature, top_k=decode_cfg.top_k, top_p=decode_cfg.top_p,
+                          seed=seed)
+
+
+def teacher_forced(target, drafter, prompts: Prompts, answers: list[list[int]], decode_cfg,
+                   vocab: int) -> list[TeacherForced]:
+    """One drafter's teacher-forced pass over the target's answers (betas too when sampling)."""
+    prompt_ids = [ids for _, _, ids in prompts]
+    predictions = drafter_predictions(drafter, prompt_ids, answers, vocab_size=vocab)
+    betas = (sampling_betas(target, drafter, prompt_ids, answers, temperature=decode_cfg.temperature,
+                            top_k=decode_cfg.top_k, top_p=decode_cfg.top_p)
+             if decode_cfg.temperature > 0 else [None] * len(prompts))
+    return [TeacherForced(pid, category, ids, answer, tokens, probs, beta)
+            for (pid, category, ids), answer, (tokens, probs), beta in zip(prompts, answers, predictions, betas)]
+
+
+def simulated_drafter(samples: list[TeacherForced], settings: SimulationSettings, timed: dict[str, Any],
+                      seed: int) -> tuple[dict, list]:
+    """``simulated`` of one model drafter, predicted speedups from its timed run's c and verification costs."""
+    return simulated_section(samples, settings, cost_ratio=timed.get("cost_ratio"),
+                             verify_costs=timed.get("verify_costs"), seed=seed)
+
+
+def prompt_lookup_section(prompts: Prompts, answers: list[list[int]], settings: SimulationSettings,
+                          verify_costs, seed: int) -> dict | None:
+    """``baselines.prompt_lookup`` (greedy only): simulated, with drafting taken as free (c = 0)."""
+    if settings.sampling:
+        return None
+    samples = [TeacherForced(pid, category, ids, answer, []) for (pid, category, ids), answer in zip(prompts, answers)]
+    section, _ = simulated_section(samples, settings, cost_ratio=0.0, verify_costs=verify_costs,
+                                   lookup_ngram=DEFAULT_MAX_NGRAM, seed=seed)
+    return {"max_ngram": DEFAULT_MAX_NGRAM, "simulated": section,
+            "note": "transformers' prompt_lookup_num_tokens rule; drafting cost not counted (c = 0)"}
+
+
+def simulation_check(drafter, timed: dict[str, Any], prompts: Prompts, settings: SimulationSettings,
+                     vocab: int) -> dict | None:
+    """The simulated blocks on the timed decoder's own output tokens against its blocks, per prompt.
+
+    ``identical_blocks`` counts each prompt's leading blocks that agree (after a difference the two are out
+    of step). Greedy only (None for sampling, where blocks are random).
+    """
+    if settings.sampling:
+        return None
+    per_prompt = {p["prompt_id"]: p for p in timed.get("per_prompt", [])}
+    timed_prompts = [p for p in prompts if p[0] in per_prompt]
+    if not timed_prompts:
+        return None
+    outputs = [per_prompt[pid]["output_ids"] for pid, _, _ in timed_prompts]
+    samples = teacher_forced_greedy(drafter, timed_prompts, outputs, vocab)
+    blocks = identical = 0
+    for sample, result in zip(samples, simulate(samples, settings)):
+        decoded = per_prompt[sample.prompt_id]["accepted_per_block"]
+        blocks += len(decoded)
+        identical += next((i for i, (a, b) in enumerate(zip(decoded, result.accepted_per_block)) if a != b),
+                          min(len(decoded), len(result.accepted_per_block)))
+    return {"prompts": len(samples), "blocks": blocks, "identical_blocks": identical}
+
+
+def teacher_forced_greedy(drafter, prompts: Prompts, answers: list[list[int]], vocab: int) -> list[TeacherForced]:
+    predictions = drafter_predictions(drafter, [ids for _, _, ids in prompts], answers, vocab_size=vocab,
+                                      progress=False)
+    return [TeacherForced(pid, category, ids, answer, tokens, probs)
+            for (pid, category, ids), answer, (tokens, probs) in zip(prompts, answers, predictions)]
