@@ -29,8 +29,8 @@ import torch
 from transformers import DynamicCache
 
 from decode.metrics import DecodeStats
-from decode.sampling import check_sampling_args, process_logits, sample, speculative_accept
-from decode.speculative import SpeculativeOutput, _forward_parameters, _sync, _vocab_size
+from decode.sampling import check_sampling_args, process_logits, speculative_accept
+from decode.speculative import SpeculativeOutput, _forward_parameters, _sync, _vocab_size, draw_draft
 from decode.stopping import StopStrings
 
 
@@ -137,11 +137,7 @@ def speculative_generate_batch(
             n_cols = draft_input.shape[1]
             logits = _batched_forward(drafter, draft_input, draft_cache, mask(seen + n_cols),
                                       positions(seen, n_cols), last_only=True)[:, 0].to(device)
-            if greedy:
-                token = logits[:, :vocab].argmax(-1)
-            else:
-                draft_probs.append(probs_of(logits))
-                token = sample(draft_probs[-1], generator)
+            token = draw_draft(logits, vocab, greedy, probs_of, generator, draft_probs)
             draft_tokens.append(token)
             seen += n_cols
             draft_input = token[:, None]

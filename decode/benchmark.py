@@ -297,6 +297,7 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
         figures["cost_model_speedup"] = spec.mean_accepted_tokens / (mean_k * cost_ratio + verify) if mean_k else 0.0
         if target_forward_s and spec.accepted_per_block:
             figures["block_seconds"] = block_seconds(spec, cost_ratio, verify, target_forward_s)
+            figures["measured_over_cost_model"] = figures["block_seconds"]["measured_over_cost_model"]
         choice = choose_draft_length(spec.per_position_acceptance, cost_ratio, accuracy=spec.acceptance_rate,
                                      verify_costs=verify_costs, max_k=max(8, len(verify_costs) - 1))
         measured = sum(a is not None for a in spec.per_position_acceptance)

@@ -93,6 +93,16 @@ def _prefill(model, prompt: torch.Tensor) -> DynamicCache:
     return cache
 
 
+def draw_draft(logits: torch.Tensor, vocab: int, greedy: bool, probs_of, generator,
+               draft_probs: list[torch.Tensor]) -> torch.Tensor:
+    """The draft token per row ``(rows,)`` from drafter logits ``(rows, V)``: the argmax over the first ``vocab``
+    (greedy), or a sample from ``probs_of(logits)``, which is appended to ``draft_probs``."""
+    if greedy:
+        return logits[:, :vocab].argmax(-1)
+    draft_probs.append(probs_of(logits))
+    return sample(draft_probs[-1], generator)
+
+
 def _draft(drafter, cache: DynamicCache, seq: list[int], k: int, vocab: int, device, greedy: bool, probs_of,
            generator, confidence_threshold: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Up to ``k`` draft tokens ``(n,)`` from a model drafter, one cached forward each, and (sampling) the
@@ -101,11 +111,7 @@ def _draft(drafter, cache: DynamicCache, seq: list[int], k: int, vocab: int, dev
     draft_tokens, draft_probs = [], []
     for _ in range(k):
         logits = _forward(drafter, draft_input, cache, last_only=True).to(device)
-        if greedy:
-            token = logits[:, :vocab].argmax(-1)
-        else:
-            draft_probs.append(probs_of(logits))
-            token = sample(draft_probs[-1], generator)
+        token = draw_draft(logits, vocab, greedy, probs_of, generator, draft_probs)
         draft_tokens.append(token)
         draft_input = token.view(1, 1).to(drafter.device)
         if confidence_threshold > 0:

@@ -3,7 +3,8 @@
 * :func:`target_answers`: the target answers many prompts, left-padded batches of similar length
   through transformers' ``generate`` (greedy, or sampled with a seed).
 * :func:`drafter_predictions`: one forward of the drafter over prompt + answer per prompt, in ragged
-  right-padded batches with an attention mask; the LM head runs only on the answer positions.
+  right-padded batches of similar length with an attention mask; the LM head runs only on the answer
+  positions.
 * :func:`sampling_betas`: the same pass through both models, ``beta_t = 1 - TV`` per answer position.
 
 Pass the drafter as the decoder runs it (same dtype, int8 quantization, reduced vocabulary head): the
@@ -88,16 +89,19 @@ def _right_padded(sequences: list[list[int]], device) -> tuple[torch.Tensor, tor
 
 
 def _answer_logits(model, prompts: list[list[int]], answers: list[list[int]], vocab: int) -> list[torch.Tensor]:
-    """Per prompt, the model's logits ``(len(answer), vocab)`` predicting each answer token (float32)."""
-    sequences = [list(p) + list(a) for p, a in zip(prompts, answers)]
-    ids, mask = _right_padded(sequences, model.device)
-    hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (batch, seq, hidden)
-    rows = [(r, len(p) - 1 + t) for r, (p, a) in enumerate(zip(prompts, answers)) for t in range(len(a))]
-    if not rows:
+    """Per prompt, the model's logits ``(len(answer), vocab)`` predicting each answer token (float32).
+
+    The LM head runs on the answer positions only (``logits_to_keep`` as a ``(batch, seq)`` boolean mask,
+    transformers 5), which also works through peft wrappers and replaced heads.
+    """
+    if not any(answers):
         return [torch.zeros(0, vocab) for _ in prompts]
-    picked = hidden[torch.tensor([r for r, _ in rows]), torch.tensor([t for _, t in rows])]  # (positions, hidden)
-    logits = model.get_output_embeddings()(picked)[:, :vocab].float()
-    return list(torch.split(logits, [len(a) for a in answers]))
+    ids, mask = _right_padded([list(p) + list(a) for p, a in zip(prompts, answers)], model.device)
+    keep = torch.zeros_like(mask, dtype=torch.bool)
+    for r, (p, a) in enumerate(zip(prompts, answers)):
+        keep[r, len(p) - 1:len(p) - 1 + len(a)] = True
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep).logits  # (N, V)
+    return list(torch.split(logits[:, :vocab].float(), [len(a) for a in answers]))
 
 
 @torch.inference_mode()

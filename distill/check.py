@@ -3,9 +3,11 @@
 The source article's checklist, measured: tokenizer compatibility, the
 drafter's top-1 agreement with the target over the next K positions (its
 "above 70%" bar), the acceptance rate the bundled decoder actually gets, the
-cost ratio c on this machine, and the draft length K that maximises the
-expected speedup (``decode.draft_length.choose_draft_length``) beside the
-article's K = accuracy x 5. Writes ``check.json`` and ``check.md``.
+cost ratio c and the verification costs on this machine, tau at every K 1..
+``check.max_draft_length`` simulated exactly from the target's answers and one
+teacher-forced drafter pass (``decode.acceptance``), and the K of the highest
+predicted speedup beside the article's K = accuracy x 5. Writes ``check.json``
+and ``check.md``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.benchmark import machine_busy, measure_cost_ratio, measure_verify_costs
-from decode.draft_length import choose_draft_length, expected_speedup
-from decode.metrics import DecodeStats
+from decode.acceptance import SimulationSettings, simulated_section
 from decode.cpu_linear import use_onednn_linear
+from decode.draft_length import DraftLengthChoice, expected_speedup, rule_of_thumb_draft_length
+from decode.metrics import DecodeStats, verify_cost_at
 from decode.quantization import drafter_for_decoding, resolve_quantization
 from decode.speculative import speculative_generate, target_generate
 from distill.config import Config
@@ -31,6 +34,7 @@ from distill.models import eos_token_ids, load_model, tokenizers_compatible
 from distill.generate import prompt_length_limit
 from distill.prompts import encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, write_json_atomic, write_text_atomic
+from distill.simulation import teacher_forced_greedy
 from distill.train_stage import check_layers_exist, initial_drafter
 
 CHECK_JSON = "check.json"
@@ -55,6 +59,15 @@ def top1_agreement(target, drafter, prompts: list[list[int]], draft_length: int)
         correct += int((a.new_tokens == b.new_tokens.to(a.new_tokens.device)).sum())
         total += draft_length
     return correct / total
+
+
+def simulated_choice(simulated: dict[str, Any], cost_ratio: float, verify_costs: list[float],
+                     accuracy: float) -> DraftLengthChoice:
+    """The recommended K from the simulated tau at every K and the measured costs (no extrapolation)."""
+    by_k = {int(k): v["predicted_speedup"] for k, v in simulated["per_k"].items()}
+    best = simulated["recommended_draft_length"]
+    return DraftLengthChoice(best, by_k, rule_of_thumb_draft_length(accuracy), cost_ratio,
+                             {k: verify_cost_at(verify_costs, k) for k in by_k}, by_k[best] > 1.0)
 
 
 def _verdict(result: dict[str, Any]) -> str:
@@ -86,11 +99,13 @@ def render_check_markdown(result: dict[str, Any]) -> str:
         f"| cost ratio c (drafter / target forward) | {result['cost_ratio']:.3f} |",
         f"| measured speedup at K = {result['draft_length']} (decode tokens/s vs target alone) | "
         f"{result['measured_speedup']:.2f}x |",
-        f"| recommended K (expected speedup) | {choice['best_draft_length']} "
-        f"({by_k[choice['best_draft_length']]:.2f}x) |",
+        f"| recommended K (predicted speedup: simulated tau at every K, measured c and verify costs) | "
+        f"{choice['best_draft_length']} ({by_k[choice['best_draft_length']]:.2f}x) |",
         f"| article's rule of thumb K = max(2, int(accuracy x 5)) | {choice['rule_of_thumb']} |",
         "", "| K | " + " | ".join(str(k) for k in by_k) + " |", "|---|" + "---|" * len(by_k),
-        "| expected speedup | " + " | ".join(f"{v:.2f}x" for v in by_k.values()) + " |",
+        "| simulated tau | " + " | ".join(f"{v['mean_accepted_tokens']:.2f}" for v in result["simulated"]["per_k"].values())
+        + " |",
+        "| predicted speedup | " + " | ".join(f"{v:.2f}x" for v in by_k.values()) + " |",
         "", f"**Verdict:** {result['verdict']}", "",
     ]
     return "\n".join(lines)
@@ -142,18 +157,24 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     speculative_generate(target, runner, warm_up, draft_length=c.draft_length, max_new_tokens=c.draft_length + 2,
                          eos_token_ids=eos)
     target_generate(target, warm_up, max_new_tokens=4, eos_token_ids=eos)
-    spec, alone = [], []
+    spec, alone, answers = [], [], []
     for ids in tqdm(prompts, desc="check", unit="prompt"):
         input_ids = torch.tensor([ids], device=target.device)
         spec.append(speculative_generate(target, runner, input_ids, draft_length=c.draft_length,
                                          max_new_tokens=c.max_new_tokens, eos_token_ids=eos).stats)
-        alone.append(target_generate(target, input_ids, max_new_tokens=c.max_new_tokens, eos_token_ids=eos,
-                                     vocab_size=min(rows)).stats)
+        out = target_generate(target, input_ids, max_new_tokens=c.max_new_tokens, eos_token_ids=eos,
+                              vocab_size=min(rows))
+        alone.append(out.stats)
+        answers.append(out.new_tokens.tolist())
     pooled, target_stats = DecodeStats.merge(spec), DecodeStats.merge(alone)
     cost_ratio = measure_cost_ratio(target, runner, prompts[:2])
     verify_costs = measure_verify_costs(target, prompts[:1], c.max_draft_length + 1)
-    choice = choose_draft_length(pooled.per_position_acceptance, cost_ratio, accuracy=accuracy,
-                                 verify_costs=verify_costs, max_k=c.max_draft_length)
+    # every K exactly, from the target's own answers and one teacher-forced pass (decode.acceptance)
+    samples = teacher_forced_greedy(runner, [(p.id, p.category, ids) for p, ids in zip(held_out, prompts)],
+                                    answers, min(rows))
+    simulated, _ = simulated_section(samples, SimulationSettings(c.draft_length, c.max_new_tokens),
+                                     cost_ratio=cost_ratio, verify_costs=verify_costs, max_k=c.max_draft_length)
+    choice = simulated_choice(simulated, cost_ratio, verify_costs, accuracy)
     result.update({
         "num_prompts": len(prompts), "prompt_ids": [p.id for p in held_out], "draft_length": c.draft_length,
         "drafter_quantization": quantization,
@@ -169,7 +190,7 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         "measured_speedup": pooled.tokens_per_s / target_stats.tokens_per_s if target_stats.tokens_per_s else 0.0,
         "expected_speedup_at_measured_k": expected_speedup(pooled.per_position_acceptance, c.draft_length,
                                                            cost_ratio, verify_costs[min(c.draft_length, len(verify_costs) - 1)]),
-        "draft_length_choice": asdict(choice),
+        "draft_length_choice": asdict(choice), "simulated": simulated,
         "measure_s": time.perf_counter() - start, "cpu_busy_before": busy,
         "target_fingerprint": target_res.fingerprint,
     })

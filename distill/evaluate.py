@@ -124,6 +124,11 @@ def _as_distilled(cfg: Config, info: dict[str, Any]) -> Config:
     return dataclasses.replace(cfg, drafter=drafter)
 
 
+def auto_dtype_of(model) -> str:
+    """The dtype ``dtype: auto`` became for ``model`` (its parameters'), for cache keys."""
+    return str(next(model.parameters()).dtype).replace("torch.", "")
+
+
 def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settings: dict, vocab: int, runner,
                      hf_assisted: bool = False, check: bool = False) -> tuple[dict[str, Any], list]:
     """One drafter as the decoder runs it: timed on ``timed`` (``decode.benchmark``), then its exact acceptance
@@ -209,7 +214,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
           f"prompts (batched), for the exact acceptance of every drafter")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     answers = answer_all(target, prompts, dec, eos=eos, pad_id=pad_id, batch_size=cfg.generate.batch_size,
-                         seed=cfg.evaluate.seed)
+                         seed=cfg.evaluate.seed, cache_dir=Path(cfg.outputs) / ".shards",
+                         target_key=f"{target_res.fingerprint}/{cfg.target.dtype}/{auto_dtype_of(target)}")
     print(f"evaluate: target alone on {len(timed)} of them, timed (evaluate.timed_prompts)")
     alone = run_target_alone(target, timed, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
     measure = functools.partial(_measure_drafter, cfg, target, timed, prompts, answers, alone, settings, vocab)
@@ -278,7 +284,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         # the training-time metric beside the decoder's measurement, to judge how well it predicts acceptance
         report["distill_validation"] = {k: train.get(k) for k in (
             "val_expected_acceptance_before", "val_expected_acceptance_after", "val_loss_before", "val_loss_after",
-            "val_top1_agreement_before", "val_top1_agreement_after", "stored_top_k")}
+            "val_top1_agreement_before", "val_top1_agreement_after", "val_simulated_tau_before",
+            "val_simulated_tau_after", "val_simulated_draft_length", "stored_top_k")}
     plots = write_report_plots(report, run_dir, training_metrics=distill_dir / "checkpoints" / "metrics.jsonl")
     report["plots"] = [str(p) for p in plots]
     report_path = run_dir / REPORT_JSON

@@ -68,6 +68,23 @@ def _data(info: dict[str, Any]) -> str:
             f"{data['val_examples']:,} held out for validation)")
 
 
+def _simulated_card_lines(report: dict) -> list[str]:
+    """The exact acceptance on every held-out prompt (evaluate's ``simulated``), when the report has it."""
+    sim = report.get("simulated")
+    if not sim:
+        return []
+    base = (report.get("baseline_drafter") or {}).get("simulated") or {}
+    lo, hi = sim["ci95"]["mean_accepted_tokens"]
+    line = (f"On all {sim['num_prompts']} held-out prompts ({sim['num_tokens']} target tokens), simulated exactly from "
+            f"teacher-forced passes: tau {sim['mean_accepted_tokens']:.2f} [95% interval {lo:.2f}, {hi:.2f}]"
+            + (f" against {base['mean_accepted_tokens']:.2f} undistilled" if base else ""))
+    paired = report.get("paired_difference")
+    if paired:
+        line += (f"; paired difference {paired['mean_accepted_tokens']:+.3f} "
+                 f"[{paired['ci95'][0]:+.3f}, {paired['ci95'][1]:+.3f}]")
+    return [line + ". The table above times the first few of them.", ""]
+
+
 def _speed_caveats(report: dict[str, Any]) -> list[str]:
     """Lines that say when the card's speedups are not to be trusted: the machine was busy while measuring,
     or a measured speedup is far from what the cost model (Leviathan et al. 2023, Thm 3.8) predicts."""
@@ -113,6 +130,7 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
             f"| mean accepted tokens per target forward (incl. bonus) | {base.get('mean_accepted_tokens', float('nan')):.2f} "
             f"| {report['mean_accepted_tokens']:.2f} |",
             f"| speedup vs target alone | {base.get('speedup', float('nan')):.2f}x | {report['speedup']:.2f}x |", "",
+            *_simulated_card_lines(report),
             *_speed_caveats(report),
         ]
     else:

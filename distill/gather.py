@@ -47,12 +47,14 @@ FIGURES = (  # (column, path in report.json)
     ("val_expected_acceptance", ("distill_validation", "val_expected_acceptance_after")),
     # the greedy predictor: share of held-out positions where the drafter's argmax is the target's
     ("val_top1_agreement", ("distill_validation", "val_top1_agreement_after")),
+    ("val_simulated_tau", ("distill_validation", "val_simulated_tau_after")),
     ("distill_s", ("stages", "distill", "wall_s")),
 )
 # a distill sweep's jobs have no report: their figures come from the distill manifest
 DISTILL_FIGURES = (
     ("val_expected_acceptance", ("train", "val_expected_acceptance_after")),
     ("val_top1_agreement", ("train", "val_top1_agreement_after")),
+    ("val_simulated_tau", ("train", "val_simulated_tau_after")),
     ("distill_s", ("wall_s",)),
 )
 ERROR_FILE = "error.txt"  # a sweep job's error, written by the CLI (distill/cli.py)

@@ -18,6 +18,8 @@ _ROWS = [  # (label, key, format)
     ("theoretical speedup (alpha, K, c; Leviathan et al. Thm 3.8)", "theoretical_speedup", "{:.2f}x"),
     ("measured / theoretical speedup", "measured_over_theoretical", "{:.2f}"),
     ("cost-model speedup (tau, c, measured (K+1)-token verify cost)", "cost_model_speedup", "{:.2f}x"),
+    ("verify cost: (K+1)-token target forward / 1-token forward", "verify_cost", "{:.2f}"),
+    ("one block's time / its forwards timed alone (1 = no loop overhead)", "measured_over_cost_model", "{:.2f}"),
     ("mean draft length per block", "mean_draft_length", "{:.2f}"),
     ("greedy output identical to target", "outputs_match_target", "{}"),
     ("share of target tokens reproduced before any divergence", "identical_token_fraction", "{:.3f}"),
@@ -172,9 +174,16 @@ def render_report_markdown(report: dict[str, Any]) -> str:
                   f"{_fmt(val.get('val_top1_agreement_after'), '{:.3f}')} |",
                   f"| measured acceptance rate (bundled decoder, held-out prompts) | "
                   f"{_fmt(base.get('acceptance_rate'), '{:.3f}')} | {_fmt(report.get('acceptance_rate'), '{:.3f}')} |",
+                  f"| greedy tau at K = {val.get('val_simulated_draft_length') or '-'}, simulated on the validation "
+                  f"split | {_fmt(val.get('val_simulated_tau_before'), '{:.2f}')} | "
+                  f"{_fmt(val.get('val_simulated_tau_after'), '{:.2f}')} |",
+                  f"| greedy tau, simulated on every held-out prompt (this report) | "
+                  f"{_fmt((base.get('simulated') or {}).get('mean_accepted_tokens'), '{:.2f}')} | "
+                  f"{_fmt((report.get('simulated') or {}).get('mean_accepted_tokens'), '{:.2f}')} |",
                   "", "1 - TV is the acceptance probability of speculative *sampling* at temperature 1 on the "
                   "target's own continuations (Leviathan et al. 2023, Cor. 3.6); greedy acceptance on new prompts "
-                  "differs, so read the two as a trend, not as equals."]
+                  "differs, so read the two as a trend, not as equals. The two simulated tau rows are one quantity (exact "
+                  "greedy blocks) on different prompts: the validation split of the training data and the held-out set."]
         if val.get("stored_top_k"):
             lines += ["", f"Trained on the target's stored top-{val['stored_top_k']} log-probabilities: 1 - TV was "
                       f"computed on those {val['stored_top_k']} tokens plus one bucket for the rest, which is an "
@@ -374,6 +383,9 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
                          color="C1", alpha=0.6, label="validation 1 - TV")
                 ax2.plot([p["step"] for p in points], [p.get("val_top1_agreement") for p in points], "s--",
                          color="C2", label="validation top-1 agreement")
+                if any(p.get("val_simulated_acceptance") is not None for p in points):
+                    ax2.plot([p["step"] for p in points], [p.get("val_simulated_acceptance") for p in points],
+                             "d-", color="C3", label="validation acceptance (simulated greedy decoder)")
             ax2.set(ylabel="expected acceptance / agreement", ylim=(0, 1))
             handles = ax.get_lines() + ax2.get_lines()
             ax.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize=8)

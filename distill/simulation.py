@@ -8,11 +8,15 @@ blocks with the simulation's on the decoder's own output.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Any
 
 from decode.acceptance import SimulationSettings, TeacherForced, simulate, simulated_section
 from decode.prompt_lookup import DEFAULT_MAX_NGRAM
 from decode.teacher_forcing import drafter_predictions, sampling_betas, target_answers
+from distill.rundir import write_json_atomic
 
 Prompts = list[tuple[str, str, list[int]]]  # (prompt_id, category, token ids)
 
@@ -28,13 +32,33 @@ def settings_of(decode_cfg, timed: dict[str, Any]) -> SimulationSettings:
                               sampling=decode_cfg.temperature > 0)
 
 
-def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: int, batch_size: int,
-               seed: int) -> list[list[int]]:
-    """The target's answers to every prompt, as the decoder would emit them (greedy, or sampled with ``seed``)."""
-    return target_answers(target, [ids for _, _, ids in prompts], max_new_tokens=decode_cfg.max_new_tokens,
-                          eos_token_ids=eos, pad_token_id=pad_id, batch_size=batch_size,
-                          temperature=decode_cfg.temperature, top_k=decode_cfg.top_k, top_p=decode_cfg.top_p,
-                          seed=seed)
+def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: int, batch_size: int, seed: int,
+               cache_dir: Path | None = None, target_key: str = "") -> list[list[int]]:
+    """The target's answers to every prompt, as the decoder would emit them (greedy, or sampled with ``seed``).
+
+    With ``cache_dir``, answers are kept in ``cache_dir/answers-<key>.json`` (written atomically), the key
+    covering ``target_key`` (the target's fingerprint and dtype), the decode settings, the batch size and the
+    prompts' token ids: every evaluate of a sweep on the same held-out set answers them once.
+    """
+    settings = (decode_cfg.max_new_tokens, decode_cfg.temperature, decode_cfg.top_k, decode_cfg.top_p, seed,
+                batch_size, list(eos))  # batching changes the rounding, so the answers too
+    key = hashlib.sha256(json.dumps([target_key, settings, [ids for _, _, ids in prompts]]).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"answers-{key}.json" if cache_dir else None
+    if path is not None and path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+            if len(cached) == len(prompts):
+                print(f"evaluate: the target's answers to these {len(prompts)} prompts come from {path}")
+                return cached
+        except (OSError, ValueError):
+            pass  # unreadable: answer again and overwrite it
+    answers = target_answers(target, [ids for _, _, ids in prompts], max_new_tokens=decode_cfg.max_new_tokens,
+                             eos_token_ids=eos, pad_token_id=pad_id, batch_size=batch_size,
+                             temperature=decode_cfg.temperature, top_k=decode_cfg.top_k, top_p=decode_cfg.top_p,
+                             seed=seed)
+    if path is not None:
+        write_json_atomic(path, answers)
+    return answers
 
 
 def teacher_forced(target, drafter, prompts: Prompts, answers: list[list[int]], decode_cfg,

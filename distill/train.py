@@ -41,6 +41,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from decode.acceptance import TeacherForced, simulate_greedy
+from decode.metrics import DecodeStats
+from decode.teacher_forcing import drafter_predictions
 from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out_of_memory_bytes
 from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
 from distill.models import resolve_mixed_precision
@@ -52,7 +55,7 @@ log = logging.getLogger(__name__)
 MAX_GRAD_NORM = 1.0
 METRICS_FILE = "metrics.jsonl"
 VALIDATION_FILE = "validation.jsonl"  # the held-out figures at step 0, every validate_every steps and at the end
-_VAL_FIGURES = ("loss", "expected_acceptance", "top1_agreement")
+_VAL_FIGURES = ("loss", "expected_acceptance", "top1_agreement", "simulated_tau", "simulated_acceptance")
 STATE_FILE = "trainer_state.json"
 STATE_FORMAT = 1
 
@@ -95,6 +98,7 @@ def train_drafter(
     eos_token_ids: Sequence[int] = (),
     keep_checkpoints: int = 0,
     validate_every: int = 0,
+    validation_draft_length: int = 0,
 ) -> dict[str, Any]:
     """Distil ``target`` into ``drafter`` on the target's answers; the drafter is trained in place.
 
@@ -151,8 +155,11 @@ def train_drafter(
         validate_every: with ``val_examples``, also validate every N optimizer steps (0 = before
             and after only). Every validation (step 0 = before, the last step = after) is a line
             of ``output_dir/validation.jsonl``: ``step``, ``val_loss``, ``val_expected_acceptance``,
-            ``val_top1_agreement``; the logger gets the same figures. The curve shows where more
-            steps stop helping (the training loss keeps falling when a small dataset is memorised).
+            ``val_top1_agreement`` (and ``val_simulated_tau``, ``val_simulated_acceptance``); the logger
+            gets the same figures. The curve shows where more steps stop helping (the training loss
+            keeps falling when a small dataset is memorised).
+        validation_draft_length: K > 0 adds the greedy decoder's exact tau and acceptance at K on the
+            validation answers (:func:`simulated_validation`): the quantity evaluate reports, on other prompts.
         pad_token_id: id used to right-pad (masked out everywhere); default: the target's
             ``config.pad_token_id``, else its ``eos_token_id``, else 0.
         logger: optional object with ``log(metrics: dict, step: int)``.
@@ -211,7 +218,7 @@ def train_drafter(
     result: dict[str, Any] = {}
     before: dict | None = None
     val_args = dict(loss=loss, jsd_beta=jsd_beta, temperature=temperature, batch_size=batch_size,
-                    max_seq_len=max_seq_len, pad_token_id=pad_token_id)
+                    max_seq_len=max_seq_len, pad_token_id=pad_token_id, draft_length=validation_draft_length)
     if val_examples:
         # A resumed run reports the validation of the untrained drafter that its checkpoint carries,
         # not of the half-trained one it restarts from.
@@ -314,6 +321,8 @@ def train_drafter(
     if val_examples:
         after = validate(drafter, target, val_examples, **val_args)
         result.update(_prefixed(after, "after"))
+        if "simulated_tau" in after:
+            result["val_simulated_draft_length"] = validation_draft_length
         if max_steps > run.start_step:  # a run that trained: the last point of the curve
             log_validation(max_steps, after)
     # Drop accelerate's autocast wrapper from the drafter's forward: callers save and decode with it.
@@ -342,6 +351,7 @@ def validate(
     batch_size: int = 4,
     max_seq_len: int = 512,
     pad_token_id: int | None = None,
+    draft_length: int = 0,
 ) -> dict[str, float]:
     """Held-out distillation loss and expected acceptance, without decoding.
 
@@ -357,11 +367,14 @@ def validate(
             and restored afterwards.
         examples: dicts with ``prompt_ids`` and ``completion_ids``.
         loss, jsd_beta, temperature, batch_size, max_seq_len, pad_token_id: as in training.
+        draft_length: K > 0 adds the greedy decoder's exact figures at K on these answers when they are
+            greedy (``temperature`` 0 in the examples): :func:`simulated_validation`.
 
     Returns:
         ``{"loss": nats/token, "expected_acceptance": in [0, 1], "top1_agreement": in [0, 1] (share
         of positions where the drafter's argmax is the target's: what greedy decoding accepts on),
-        "tokens": completion tokens, "examples": examples used}``.
+        "tokens": completion tokens, "examples": examples used}``, with ``draft_length`` also
+        ``simulated_tau`` and ``simulated_acceptance``.
 
     Raises:
         DraftsmithError: no example has a completion position.
@@ -384,10 +397,32 @@ def validate(
             accept_sum += accept
             agree_sum += agree
             tokens += n
+        simulated = simulated_validation(drafter, examples, draft_length) if draft_length else {}
     finally:
         drafter.train(was_training)
     return {"loss": loss_sum / tokens, "expected_acceptance": accept_sum / tokens,
-            "top1_agreement": agree_sum / tokens, "tokens": tokens, "examples": len(examples)}
+            "top1_agreement": agree_sum / tokens, "tokens": tokens, "examples": len(examples), **simulated}
+
+
+def simulated_validation(drafter, examples: Sequence[dict], draft_length: int) -> dict[str, float]:
+    """tau and acceptance rate that greedy speculative decoding at K = ``draft_length`` gets on the examples'
+    answers, exactly (``decode.acceptance.simulate_greedy`` on one teacher-forced drafter pass), or {} when the
+    answers were sampled (``temperature`` > 0: greedy decoding would not emit them). The drafter runs as it
+    trains (its training dtype, no int8), so evaluate's int8 figures can differ by a near-tie here and there.
+    """
+    if any(e.get("temperature", 0.0) > 0 for e in examples):
+        return {}
+    prompts = [list(e["prompt_ids"]) for e in examples]
+    answers = [list(e["completion_ids"]) for e in examples]
+    predictions = drafter_predictions(drafter, prompts, answers, progress=False)
+    blocks = []
+    for example, prompt, answer, (tokens, probs) in zip(examples, prompts, answers, predictions):
+        # an answer cut by generate's limit ends the decoder there; one that ended with EOS ran free
+        limit = len(answer) + (0 if example.get("finish_reason") == "length" else draft_length + 1)
+        blocks.append(simulate_greedy(TeacherForced("", "", prompt, answer, tokens, probs),
+                                      draft_length=draft_length, max_new_tokens=limit))
+    pooled = DecodeStats.merge(blocks)
+    return {"simulated_tau": pooled.mean_accepted_tokens, "simulated_acceptance": pooled.acceptance_rate}
 
 
 def collate(examples: Sequence[dict], *, pad_token_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:

@@ -299,7 +299,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             mixed_precision=mixed_precision, resume_from=resume_from,
             on_policy_fraction=d.on_policy_fraction, on_policy_temperature=d.on_policy_temperature,
             eos_token_ids=eos_token_ids(drafter, drafter_tok), keep_checkpoints=d.keep_checkpoints,
-            validate_every=d.validate_every)
+            validate_every=d.validate_every, validation_draft_length=cfg.decode.draft_length)
         metrics["mixed_precision"] = mixed_precision  # what "auto" became on this machine
         # k the targets were cut to (the smallest among the runs that added examples)
         metrics["stored_top_k"] = min(r["store_top_k"] for r in [gen_manifest, *added]

@@ -270,3 +270,20 @@ def test_real_qwen_simulated_blocks_equal_the_decoders(qwen05):
             decoded.append(out.stats)
     print("acceptance", DecodeStats.merge(decoded[1::2]).acceptance_rate)
     assert 0.2 < DecodeStats.merge(decoded[1::2]).acceptance_rate < 0.98  # K = 4: neither all nor nothing
+
+
+def test_distill_validation_simulates_the_decoder(pair):
+    from distill.train import simulated_validation
+
+    target, drafter = pair
+    examples = []
+    for prompt in PROMPTS:
+        out = target_generate(target, torch.tensor([prompt]), max_new_tokens=20, eos_token_ids=[])
+        examples.append({"prompt_ids": prompt, "completion_ids": out.new_tokens.tolist(), "temperature": 0.0,
+                         "finish_reason": "length"})
+    figures = simulated_validation(drafter, examples, draft_length=3)
+    decoded = DecodeStats.merge([speculative_generate(target, drafter, torch.tensor([e["prompt_ids"]]), draft_length=3,
+                                                      max_new_tokens=20, eos_token_ids=[]).stats for e in examples])
+    assert figures["simulated_tau"] == pytest.approx(decoded.mean_accepted_tokens)
+    assert figures["simulated_acceptance"] == pytest.approx(decoded.acceptance_rate)
+    assert simulated_validation(drafter, [{**examples[0], "temperature": 0.7}], draft_length=3) == {}

@@ -29,6 +29,11 @@ def test_check_through_the_cli(tmp_path):
     choice = result["draft_length_choice"]
     assert 1 <= choice["best_draft_length"] <= 8 and choice["rule_of_thumb"] >= 2
     assert set(choice["expected_speedup_by_k"]) == {str(k) for k in range(1, 9)}
+    # the recommended K comes from tau simulated exactly at every K, with the measured costs
+    simulated = result["simulated"]
+    assert set(simulated["per_k"]) == {str(k) for k in range(1, 9)} and simulated["num_prompts"] == 2
+    assert choice["best_draft_length"] == simulated["recommended_draft_length"]
+    assert simulated["per_k"]["3"]["mean_accepted_tokens"] == pytest.approx(simulated["mean_accepted_tokens"])
     assert result["verdict"]
     assert "**Verdict:**" in (path.parent / "check.md").read_text()
 
