@@ -16,9 +16,12 @@ Prompt lookup. Its drafts depend on the context alone: :func:`simulate_prompt_lo
 decoder's blocks over the target's answer with no model.
 
 Sampling. Along an answer sampled from the target, ``beta_t = 1 - TV(p_target_t, q_draft_t)`` is the
-probability that a draft at t is accepted (Leviathan et al. 2023, Sec. 3, Def. 3.1 and Lemma 3.3);
-:func:`expected_sampling_blocks` takes the expectation over the accept/reject draws along that path
-(a dynamic programme over the block start), giving the expected tokens per target forward.
+probability that a draft at t is accepted given its context (Leviathan et al. 2023, Sec. 3, Def. 3.1 and
+Lemma 3.3); :func:`expected_sampling_blocks` takes the expectation over independent accept/reject draws
+along that fixed path (a dynamic programme over the block start). This is an approximation, not the
+decoder's exact expectation: in the decoder an accepted draft is distributed as min(p, q) / beta and a
+correction as the residual, not as p, so later contexts (and betas) depend on earlier outcomes. The test
+against seeded decoder runs bounds the gap on a tiny vocabulary.
 
 Totals pool blocks over prompts (``DecodeStats.merge``); intervals are percentile bootstraps over
 prompts (Efron and Tibshirani 1993, ch. 13), paired for differences between drafters on the same prompts.
@@ -26,6 +29,7 @@ prompts (Efron and Tibshirani 1993, ch. 13), paired for differences between draf
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -352,13 +356,18 @@ def simulated_section(samples: Sequence[TeacherForced], settings: SimulationSett
     results = simulate(samples, settings, lookup_ngram=lookup_ngram)
     totals = _totals(results)
     section = {**figures(totals, seed=seed), "draft_length": settings.draft_length, "schedule": settings.schedule,
-               "kind": "expected (speculative sampling)" if settings.sampling else "exact (greedy)"}
+               "kind": "expected (speculative sampling, along target-sampled answers)" if settings.sampling
+               else "exact (greedy)"}
+    if settings.confidence_threshold > 0:
+        section["note"] = ("with a confidence threshold, drafts after a block's first rejection are not simulated: "
+                           "drafted counts are lower bounds there, so acceptance_rate is an upper bound and "
+                           "predicted speedups lean optimistic; tau is exact")
     if not settings.sampling:
         section["per_position_acceptance"] = DecodeStats.merge(list(results)).per_position_acceptance
     per_k = {}
     for k in range(1, max_k + 1):
-        pooled = figures(_totals(simulate(samples, settings, lookup_ngram=lookup_ngram, draft_length=k,
-                                          schedule="constant")), intervals=False)
+        at_k = dataclasses.replace(settings, schedule="constant", max_draft_length=None)  # a cap is the heuristic's
+        pooled = figures(_totals(simulate(samples, at_k, lookup_ngram=lookup_ngram, draft_length=k)), intervals=False)
         speedup = (predicted_speedup(pooled["mean_accepted_tokens"], pooled["mean_draft_length"], cost_ratio,
                                      verify_cost_at(verify_costs, k)) if cost_ratio is not None else None)
         per_k[str(k)] = {"acceptance_rate": pooled["acceptance_rate"],

@@ -176,7 +176,8 @@ def speculative_generate_batch(
                     del outputs[original][text_stop + 1:]
                     stop = text_stop
             s = stats[original]
-            s.accepted_per_block.append(n)  # drafts kept; the row may have accepted more (matches_host[r])
+            # drafts kept (the row may have accepted more: matches_host[r]); a stop ends the block (its +1)
+            s.accepted_per_block.append(min(n, len(outputs[original]) - checked - 1))
             s.drafted_per_block.append(k)
             s.target_forwards += 1
             s.draft_forwards += k

@@ -42,7 +42,10 @@ class OneDNNLinear(nn.Module):
     """Inference-only stand-in for a float32 CPU ``nn.Linear``: ``(..., in_features) -> (..., out_features)``.
 
     The weight ``(out_features, in_features)`` is held only in oneDNN's packed layout (no second dense
-    copy); ``bias`` ``(out_features,)`` stays a dense tensor. Gradients do not flow through it.
+    copy), as a plain attribute: it is not a parameter, not in ``state_dict`` and not moved by ``.to()``;
+    ``bias`` ``(out_features,)`` is a buffer. Gradients do not flow through it. A row's result is the same
+    alone or among the 2-16 rows of a verification (tested); a long teacher-forced pass may round a little
+    differently.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -50,7 +53,7 @@ class OneDNNLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _ROWS_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -65,19 +68,22 @@ def use_onednn_linear(model: nn.Module) -> int:
     """Swap, in place, every float32 ``nn.Linear`` on the CPU inside ``model`` for :class:`OneDNNLinear`.
 
     Only for models that are decoded and never trained, exported or saved afterwards. Layers on another
-    device, in another dtype, or subclasses of ``nn.Linear`` (quantized layers) are left alone; without
-    oneDNN in the torch build nothing changes.
+    device, in another dtype, subclasses of ``nn.Linear`` (quantized layers) and a head whose weight is tied
+    to the input embedding (a packed copy would double it) are left alone; without oneDNN in the torch build
+    nothing changes.
 
     Returns:
         the number of layers swapped (0 when nothing qualified).
     """
     if not onednn_linear_available():
         return 0
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = {id(embeddings.weight)} if isinstance(embeddings, nn.Embedding) else set()
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.device.type == "cpu"
-                    and child.weight.dtype == torch.float32):
+                    and child.weight.dtype == torch.float32 and id(child.weight) not in tied):
                 setattr(parent, name, OneDNNLinear(child))
                 swapped += 1
     return swapped

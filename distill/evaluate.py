@@ -215,7 +215,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     answers = answer_all(target, prompts, dec, eos=eos, pad_id=pad_id, batch_size=cfg.generate.batch_size,
                          seed=cfg.evaluate.seed, cache_dir=Path(cfg.outputs) / ".shards",
-                         target_key=f"{target_res.fingerprint}/{cfg.target.dtype}/{auto_dtype_of(target)}")
+                         target_key=f"{target_res.fingerprint}/{cfg.target.dtype}/{auto_dtype_of(target)}",
+                         tokenizer=tokenizer)
     print(f"evaluate: target alone on {len(timed)} of them, timed (evaluate.timed_prompts)")
     alone = run_target_alone(target, timed, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
     measure = functools.partial(_measure_drafter, cfg, target, timed, prompts, answers, alone, settings, vocab)
@@ -225,8 +226,11 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     if base is not None:
         print("evaluate: undistilled drafter on the same prompts")
         report["baseline_drafter"], base_totals = measure(drafter_for_decoding(base, quantization))
-        report["paired_difference"] = {**paired_tau_difference(tuned_totals, base_totals, seed=cfg.evaluate.seed),
-                                       "of": "distilled minus undistilled, simulated tau on the same prompts"}
+        report["paired_difference"] = {
+            **paired_tau_difference(tuned_totals, base_totals, seed=cfg.evaluate.seed),
+            "of": "distilled minus undistilled, simulated tau on the same prompts",
+            # each at the K it ran with (they differ only under decode.schedule=auto)
+            "draft_lengths": [report["simulated"]["draft_length"], report["baseline_drafter"]["simulated"]["draft_length"]]}
         if draft_vocab is not None:
             report["baseline_drafter"]["draft_vocab_size"] = int(draft_vocab.numel())
         del base

@@ -99,15 +99,14 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     first = next(iter(rows.values()))
-    k = str(first.get("draft_length"))
     lines = ["## Acceptance on every held-out prompt (simulated exactly from teacher-forced passes)", "",
              f"{first.get('num_prompts')} prompts, {first.get('num_tokens')} target tokens, {first.get('kind')}, "
-             f"K = {k} ({first.get('schedule')}); 95% intervals are bootstraps over prompts. Predicted speedup = "
+             f"K = {first.get('draft_length')} ({first.get('schedule')}); 95% intervals are bootstraps over prompts. Predicted speedup = "
              "tau / (K c + verify cost), with c and the verify cost measured in this run's timed decoding.", "",
              "| drafter | acceptance | tau | predicted speedup at K | best K | predicted speedup at best K | "
              "heuristic schedule tau |", "|---|---|---|---|---|---|---|"]
     for label, sim in rows.items():
-        best = sim.get("recommended_draft_length")
+        best, k = sim.get("recommended_draft_length"), str(sim.get("draft_length"))  # own K under schedule=auto
         per_k = sim.get("per_k") or {}
         lines.append(f"| {label} | {_ci(sim, 'acceptance_rate', '{:.3f}')} | {_ci(sim, 'mean_accepted_tokens', '{:.2f}')} | "
                      f"{_fmt((per_k.get(k) or {}).get('predicted_speedup'), '{:.2f}x')} | {_fmt(best, '{}')} | "

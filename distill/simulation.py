@@ -13,8 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from decode.acceptance import SimulationSettings, TeacherForced, simulate, simulated_section
 from decode.prompt_lookup import DEFAULT_MAX_NGRAM
+from decode.stopping import StopStrings
 from decode.teacher_forcing import drafter_predictions, sampling_betas, target_answers
 from distill.rundir import write_json_atomic
 
@@ -23,25 +26,29 @@ Prompts = list[tuple[str, str, list[int]]]  # (prompt_id, category, token ids)
 
 def settings_of(decode_cfg, timed: dict[str, Any]) -> SimulationSettings:
     """The simulated decoder settings: the config's, at the K the timed run used (``schedule=auto`` chose one)."""
-    auto = decode_cfg.schedule == "auto"
+    sampling = decode_cfg.temperature > 0
+    # auto ran a constant K; speculative sampling is simulated for a constant K without a threshold only
+    constant = decode_cfg.schedule == "auto" or sampling
     return SimulationSettings(draft_length=int(timed.get("draft_length") or decode_cfg.draft_length),
                               max_new_tokens=decode_cfg.max_new_tokens,
-                              schedule="constant" if auto else decode_cfg.schedule,
-                              max_draft_length=None if auto else decode_cfg.max_draft_length,
-                              confidence_threshold=decode_cfg.confidence_threshold,
-                              sampling=decode_cfg.temperature > 0)
+                              schedule="constant" if constant else decode_cfg.schedule,
+                              max_draft_length=None if constant else decode_cfg.max_draft_length,
+                              confidence_threshold=0.0 if sampling else decode_cfg.confidence_threshold,
+                              sampling=sampling)
 
 
 def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: int, batch_size: int, seed: int,
-               cache_dir: Path | None = None, target_key: str = "") -> list[list[int]]:
-    """The target's answers to every prompt, as the decoder would emit them (greedy, or sampled with ``seed``).
+               cache_dir: Path | None = None, target_key: str = "", tokenizer=None) -> list[list[int]]:
+    """The target's answers to every prompt, as the decoder would emit them (greedy, or sampled with ``seed``),
+    each cut after the token completing one of ``decode.stop_strings`` (needs ``tokenizer``) as the decoder cuts.
 
     With ``cache_dir``, answers are kept in ``cache_dir/answers-<key>.json`` (written atomically), the key
     covering ``target_key`` (the target's fingerprint and dtype), the decode settings, the batch size and the
     prompts' token ids: every evaluate of a sweep on the same held-out set answers them once.
     """
     settings = (decode_cfg.max_new_tokens, decode_cfg.temperature, decode_cfg.top_k, decode_cfg.top_p, seed,
-                batch_size, list(eos))  # batching changes the rounding, so the answers too
+                batch_size, list(eos), list(decode_cfg.stop_strings),  # batching changes the rounding: the answers too
+                str(target.device), torch.__version__)
     key = hashlib.sha256(json.dumps([target_key, settings, [ids for _, _, ids in prompts]]).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"answers-{key}.json" if cache_dir else None
     if path is not None and path.is_file():
@@ -56,6 +63,11 @@ def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: 
                              eos_token_ids=eos, pad_token_id=pad_id, batch_size=batch_size,
                              temperature=decode_cfg.temperature, top_k=decode_cfg.top_k, top_p=decode_cfg.top_p,
                              seed=seed)
+    stopper = StopStrings(list(decode_cfg.stop_strings), tokenizer)
+    if stopper:
+        for i, answer in enumerate(answers):
+            stop = stopper.first_stop(answer, 0)
+            answers[i] = answer if stop is None else answer[:stop + 1]
     if path is not None:
         write_json_atomic(path, answers)
     return answers
@@ -65,10 +77,13 @@ def teacher_forced(target, drafter, prompts: Prompts, answers: list[list[int]], 
                    vocab: int) -> list[TeacherForced]:
     """One drafter's teacher-forced pass over the target's answers (betas too when sampling)."""
     prompt_ids = [ids for _, _, ids in prompts]
-    predictions = drafter_predictions(drafter, prompt_ids, answers, vocab_size=vocab)
-    betas = (sampling_betas(target, drafter, prompt_ids, answers, temperature=decode_cfg.temperature,
-                            top_k=decode_cfg.top_k, top_p=decode_cfg.top_p)
-             if decode_cfg.temperature > 0 else [None] * len(prompts))
+    if decode_cfg.temperature > 0:  # sampling needs the betas only
+        betas = sampling_betas(target, drafter, prompt_ids, answers, temperature=decode_cfg.temperature,
+                               top_k=decode_cfg.top_k, top_p=decode_cfg.top_p)
+        predictions = [([], None)] * len(prompts)
+    else:
+        predictions = drafter_predictions(drafter, prompt_ids, answers, vocab_size=vocab)
+        betas = [None] * len(prompts)
     return [TeacherForced(pid, category, ids, answer, tokens, probs, beta)
             for (pid, category, ids), answer, (tokens, probs), beta in zip(prompts, answers, predictions, betas)]
 

@@ -414,7 +414,10 @@ def simulated_validation(drafter, examples: Sequence[dict], draft_length: int) -
         return {}
     prompts = [list(e["prompt_ids"]) for e in examples]
     answers = [list(e["completion_ids"]) for e in examples]
-    predictions = drafter_predictions(drafter, prompts, answers, progress=False)
+    model = getattr(drafter, "module", drafter)  # DDP's wrapper forwards neither config nor keyword calls' fields
+    vocab = model.get_output_embeddings().out_features
+    # few rows at a time: the training device also holds the optimizer state, and logits are (rows, vocab) float32
+    predictions = drafter_predictions(model, prompts, answers, vocab_size=vocab, batch_tokens=1024, progress=False)
     blocks = []
     for example, prompt, answer, (tokens, probs) in zip(examples, prompts, answers, predictions):
         # an answer cut by generate's limit ends the decoder there; one that ended with EOS ran free

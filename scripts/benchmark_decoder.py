@@ -16,6 +16,7 @@ this machine (its 2 CPU cores here).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -152,8 +153,8 @@ def main() -> None:
     quantization = resolve_quantization(args.drafter_quantization, target.device)
     if args.cpu_linear == "onednn":
         use_onednn_linear(target)
-        drafter = drafter_for_decoding(stored, quantization) if args.hf_drafter == "same" \
-            else quantize_drafter(stored, quantization)
+        # with --hf-drafter stored, HF gets the stored module untouched: ours then runs a swapped copy
+        drafter = drafter_for_decoding(stored if args.hf_drafter == "same" else copy.deepcopy(stored), quantization)
     else:
         drafter = quantize_drafter(stored, quantization)
     hf_drafter = drafter if args.hf_drafter == "same" else stored

@@ -287,3 +287,19 @@ def test_distill_validation_simulates_the_decoder(pair):
     assert figures["simulated_tau"] == pytest.approx(decoded.mean_accepted_tokens)
     assert figures["simulated_acceptance"] == pytest.approx(decoded.acceptance_rate)
     assert simulated_validation(drafter, [{**examples[0], "temperature": 0.7}], draft_length=3) == {}
+
+
+def test_simulated_section_with_a_capped_heuristic_and_sampling_settings(pair):
+    from types import SimpleNamespace
+
+    from distill.simulation import settings_of
+
+    target, drafter = pair
+    samples = teacher_forced(target, drafter, 40, [])
+    capped = SimulationSettings(draft_length=2, max_new_tokens=40, schedule="heuristic", max_draft_length=4)
+    section, _ = simulated_section(samples, capped)  # K up to 16 beside a cap of 4: no error
+    assert len(section["per_k"]) == 16 and section["schedule"] == "heuristic"
+    decode_cfg = SimpleNamespace(schedule="heuristic", draft_length=3, max_new_tokens=40, max_draft_length=6,
+                                 confidence_threshold=0.4, temperature=0.8)
+    sampled = settings_of(decode_cfg, {"draft_length": 3})
+    assert (sampled.schedule, sampled.confidence_threshold, sampled.sampling) == ("constant", 0.0, True)

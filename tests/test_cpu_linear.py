@@ -111,3 +111,14 @@ def test_the_loop_costs_little_beyond_its_forwards(monkeypatch):
         ratios.append((out.stats.decode_s - loop_forward_s) / loop_forward_s)
     assert out.stats.acceptance_rate == 1.0 and len(out.stats.accepted_per_block) == 24
     assert min(ratios) < 0.25, ratios
+
+
+def test_a_head_tied_to_the_embedding_is_left_alone():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert use_onednn_linear(model) == 7  # q, k, v, o, gate, up, down; not the tied head
+    assert type(model.lm_head) is nn.Linear
