@@ -235,6 +235,13 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         _check(self.draft_length >= 1, "decode.draft_length", "must be >= 1")
+        # a block never drafts more than the tokens left to emit: a larger K only costs (HF assisted, calibration)
+        _check(self.draft_length <= max(self.max_new_tokens, 1), "decode.draft_length",
+               f"must be at most decode.max_new_tokens={self.max_new_tokens} (a block drafts no more than the "
+               f"tokens left to emit), got {self.draft_length}")
+        _check(self.max_draft_length is None or self.max_draft_length <= max(self.max_new_tokens, 1),
+               "decode.max_draft_length", f"must be at most decode.max_new_tokens={self.max_new_tokens}, "
+               f"got {self.max_draft_length}")
         _check(self.schedule in ("constant", "heuristic", "auto"), "decode.schedule",
                f"must be constant, heuristic or auto, got {self.schedule!r}")
         _check(self.max_draft_length is None or self.max_draft_length >= self.draft_length,

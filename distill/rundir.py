@@ -49,6 +49,14 @@ def make_shareable(path: Path) -> None:
         child.chmod((0o777 if child.is_dir() else 0o666) & ~umask)
 
 
+def human_bytes(count: float) -> str:
+    """``count`` bytes in the unit that fits: ``512 bytes``, ``3.4 KiB``, ``12.0 MiB``, ``2.31 GiB``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(count) >= size:
+            return f"{count / size:.2f} {unit}" if unit == "GiB" else f"{count / size:.1f} {unit}"
+    return f"{int(count)} bytes"
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
     path = Path(path)
@@ -91,15 +99,15 @@ def require_free_space(path: Path, needed_bytes: int, what: str) -> None:
     """
     free = shutil.disk_usage(_existing_parent(path)).free
     if free < needed_bytes:
-        raise DiskFullError(f"not enough disk space for {what} at {path}: about {needed_bytes / 2**30:.2f} GiB "
-                            f"needed, {free / 2**30:.2f} GiB free; free some space or point outputs= "
+        raise DiskFullError(f"not enough disk space for {what} at {path}: about {human_bytes(needed_bytes)} "
+                            f"needed, {human_bytes(free)} free; free some space or point outputs= "
                             f"(or export.path=) to another disk")
 
 
 def _disk_full(err: OSError, path: Path, needed_bytes: int | None) -> DiskFullError:
     free = shutil.disk_usage(_existing_parent(path)).free
-    need = f"about {needed_bytes / 2**30:.2f} GiB needed, " if needed_bytes else ""
-    return DiskFullError(f"the disk filled up while writing {path} ({need}{free / 2**30:.2f} GiB free now; the "
+    need = f"about {human_bytes(needed_bytes)} needed, " if needed_bytes else ""
+    return DiskFullError(f"the disk filled up while writing {path} ({need}{human_bytes(free)} free now; the "
                          f"partial output was removed); free some space or point outputs= to another disk and run "
                          f"the same command again")
 

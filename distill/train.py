@@ -48,7 +48,7 @@ from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out
 from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
 from distill.models import resolve_mixed_precision
 from distill.reduced_vocab import draft_vocabulary_of, restrict_logits
-from distill.rundir import make_shareable, require_free_space
+from distill.rundir import human_bytes, make_shareable, require_free_space
 
 log = logging.getLogger(__name__)
 
@@ -802,7 +802,7 @@ def _save_checkpoint(run: _Run, output_dir: Path, *, step: int, examples_seen: i
             free = shutil.disk_usage(output_dir).free
             if not _looks_disk_full(err, free, checkpoint_bytes(accelerator.unwrap_model(run.drafter))):
                 raise
-            raise DiskFullError(f"the disk filled up writing checkpoint {final} ({free / 2**30:.2f} GiB free); "
+            raise DiskFullError(f"the disk filled up writing checkpoint {final} ({human_bytes(free)} free); "
                                 f"earlier checkpoints in {output_dir} are intact: free space and run the same "
                                 f"command again to resume") from err
         state = {"format": STATE_FORMAT, "step": step, "examples_seen": examples_seen,

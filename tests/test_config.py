@@ -69,6 +69,7 @@ def test_wrong_type_fails():
 
 @pytest.mark.parametrize("override, key", [
     ("decode.draft_length=0", "decode.draft_length"),
+    ("decode.draft_length=100000", "decode.draft_length"),  # more than decode.max_new_tokens can use
     ("decode.temperature=-0.1", "decode.temperature"),
     ("decode.top_p=0", "decode.top_p"),
     ("decode.top_p=1.5", "decode.top_p"),

@@ -223,6 +223,10 @@ def test_disk_full_names_the_path_and_sizes(tmp_path, monkeypatch):
 
     with pytest.raises(DiskFullError, match=r"not enough disk space for drafter at .* GiB needed, .* GiB free"):
         require_free_space(tmp_path / "new" / "sub", 10**18, "drafter")
+    from distill.rundir import human_bytes  # sizes in a unit that fits: never "0.00 GiB needed"
+
+    assert [human_bytes(n) for n in (512, 3 * 2**10, 5 * 2**20, 2**31)] == ["512 bytes", "3.0 KiB", "5.0 MiB",
+                                                                           "2.00 GiB"]
     with pytest.raises(DiskFullError, match="drafter"):
         with atomic_dir(tmp_path / "drafter", needed_bytes=10**18):
             pass
