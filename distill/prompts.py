@@ -227,39 +227,53 @@ def _load_file(path: Path, on_bad_line: str = "error", skipped: list[str] | None
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".txt"):
         raise PromptError(f"Prompt file {path} must end in .jsonl or .txt (got {suffix or 'no suffix'!r}).")
-    text = path.read_text(encoding="utf-8")
     prompts: list[Prompt] = []
-    if suffix == ".txt":
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                prompts.append(Prompt(id=f"file/{path.stem}/{number}", source="file", category="file",
-                                      messages=[{"role": "user", "content": line.strip()}]))
-    else:
-        bad: list[str] = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
+    bad: list[str] = []
+    for number, line, error in _utf8_lines(path):
+        if error:
+            bad.append(f"line {number}: {error}")
+        elif not line.strip():
+            continue
+        elif suffix == ".txt":
+            prompts.append(Prompt(id=f"file/{path.stem}/{number}", source="file", category="file",
+                                  messages=[{"role": "user", "content": line.strip()}]))
+        else:
             try:
                 prompts.append(_prompt_from_record(json.loads(line), path, number))
             except (json.JSONDecodeError, ValueError) as exc:
                 bad.append(f"line {number}: {str(exc).splitlines()[0]}")
-        shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
-        if bad and on_bad_line == "skip":
-            print(f"prompts: warning: skipped {len(bad)} malformed line(s) of {path}: {shown}")
-            if skipped is not None:
-                skipped.extend(bad)
-        elif bad:
-            raise PromptError(
-                f"{path}: {len(bad)} malformed line(s): {shown}. Each line must be a JSON object with "
-                f'"prompt": "<text>" or "messages": [{{"role": "user", "content": "<text>"}}, ...]'
-                + ("; or set data.on_bad_line=skip to drop them (counted in the report)." if key == "data.path" else ".")
-            )
+    shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+    if bad and on_bad_line == "skip":
+        print(f"prompts: warning: skipped {len(bad)} malformed line(s) of {path}: {shown}")
+        if skipped is not None:
+            skipped.extend(bad)
+    elif bad:
+        form = ("UTF-8 text, one prompt per line" if suffix == ".txt" else
+                'a JSON object per line, UTF-8, with "prompt": "<text>" or "messages": '
+                '[{"role": "user", "content": "<text>"}, ...]')
+        raise PromptError(
+            f"{path}: {len(bad)} malformed line(s): {shown}. The file must be {form}"
+            + ("; or set data.on_bad_line=skip to drop them (counted in the report)." if key == "data.path" else ".")
+        )
     if not prompts:
         raise PromptError(f"Prompt file {path} contains no prompts; add one prompt per line.")
     duplicates = sorted(_duplicates(p.id for p in prompts))
     if duplicates:
         raise PromptError(f"{path}: duplicate ids {duplicates[:5]}; give each line a unique \"id\".")
     return prompts
+
+
+def _utf8_lines(path: Path) -> list[tuple[int, str, str | None]]:
+    """``(line number, text, error)`` per line of ``path``: a line that is not UTF-8 gets an error that says
+    where (another encoding, e.g. Latin-1, or binary data) instead of failing the whole file."""
+    lines = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            lines.append((number, raw.decode("utf-8"), None))
+        except UnicodeDecodeError as exc:
+            lines.append((number, "", f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}; "
+                                      f"re-save the file as UTF-8)"))
+    return lines
 
 
 def _duplicates(items) -> set:

@@ -282,3 +282,17 @@ def test_sharegpt_without_a_length_limit_is_warned_about(caplog):
     short = Prompt(id="a", source="sharegpt", category="sharegpt", messages=[{"role": "user", "content": "hi"}])
     long = Prompt(id="b", source="sharegpt", category="sharegpt", messages=[{"role": "user", "content": "word " * 50}])
     assert not limited(long) and limited(short) == (len(encode_prompt(tiny_tokenizer(), short)) <= 8)
+
+
+@pytest.mark.parametrize("suffix, good", [(".txt", b"hello\n"), (".jsonl", b'{"prompt": "hello"}\n')])
+def test_a_line_that_is_not_utf8_is_named_and_skippable(tmp_path, suffix, good):
+    path = tmp_path / f"prompts{suffix}"
+    path.write_bytes(good + "caf\u00e9".encode("latin-1") + b"\n" + bytes(range(128, 140)) + b"\n" + good)
+    with pytest.raises(PromptError, match=r"prompts\..*: 2 malformed line\(s\): line 2: not UTF-8 \(byte 0xe9 at "
+                                          r"column 4.*line 3: not UTF-8.*data.on_bad_line=skip"):
+        load_prompts("file", str(path))
+    skipped = []
+    if suffix == ".jsonl":  # two identical JSONL prompts share no id: give them one each
+        path.write_bytes(b'{"prompt": "a"}\n' + "caf\u00e9".encode("latin-1") + b'\n{"prompt": "b"}\n')
+    kept = load_prompts("file", str(path), on_bad_line="skip", skipped=skipped)
+    assert len(kept) == 2 and len(skipped) == (1 if suffix == ".jsonl" else 2)
