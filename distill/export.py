@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,16 @@ from distill.evaluate import REPORT_JSON
 from distill.gguf_export import export_gguf
 from distill.models import resolve_model
 from distill.reduced_vocab import DRAFT_VOCAB_FILE
-from distill.rundir import StageRun, atomic_dir, find_latest, read_manifest, require_complete, resolve_input, write_text_atomic
+from distill.rundir import (
+    MANIFEST,
+    StageRun,
+    atomic_dir,
+    find_latest,
+    read_manifest,
+    require_complete,
+    resolve_input,
+    write_text_atomic,
+)
 from distill.tracking import make_logger, run_name
 from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, _state_bytes
 
@@ -167,6 +177,15 @@ _EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "
                  "added_tokens.json", "chat_template.jinja", DRAFTER_INFO, DRAFT_VOCAB_FILE, "README.md", GGUF_FILE)
 
 
+def _run_folder_holding(path: Path) -> Path | None:
+    """The nearest folder at or above ``path`` that is a stage's run folder (it has a manifest), unless that run
+    is an export (whose earlier output overwrite may replace); None when there is none."""
+    for folder in [path, *path.parents]:
+        if (folder / MANIFEST).is_file():
+            return None if read_manifest(folder).get("stage") == "export" else folder
+    return None
+
+
 def check_export_destination(dest: Path, overwrite: bool) -> None:
     """Refuse a destination that exists, unless it is an empty folder, or ``overwrite`` is set and it is an
     earlier draftsmith export holding nothing but the files an export writes.
@@ -174,8 +193,17 @@ def check_export_destination(dest: Path, overwrite: bool) -> None:
     Raises:
         DraftsmithError: ``dest`` exists and may not (or must never) be replaced; the message names what to change.
     """
+    writable = next(p for p in [dest, *dest.parents] if p.exists())
+    if not os.access(writable, os.W_OK | os.X_OK):
+        raise DraftsmithError(f"cannot write {dest}: {writable} is not writable by this user (permission denied); "
+                              "choose another export.path")
     if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
         return
+    owner = _run_folder_holding(dest)
+    if owner is not None:
+        raise DraftsmithError(f"{dest} is inside the {read_manifest(owner).get('stage', 'run')} run {owner}: an export "
+                              "never replaces a run's files (they are what its COMPLETE marker vouches for); "
+                              "choose another export.path")
     if not dest.is_dir() or not (dest / DRAFTER_INFO).is_file():
         raise DraftsmithError(f"{dest} exists and is not a draftsmith export (no {DRAFTER_INFO}): "
                               "choose another export.path; draftsmith never replaces other files")

@@ -275,6 +275,24 @@ def test_export_never_replaces_foreign_folders(tiny_run, tmp_path):
     assert (empty / "config.json").is_file() and not empty.with_name("empty.new").exists()
 
 
+def test_export_never_replaces_a_run_folders_files(tiny_run, tmp_path, monkeypatch):
+    root, proc = tiny_run
+    drafter = Path(proc.stdout.strip().splitlines()[-1]).parent.parent / "distill" / "drafter"
+    before = {p.name: p.read_bytes() for p in drafter.iterdir() if p.is_file()}
+    proc = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={drafter}",
+                      "export.overwrite=true", "export.dtype=bfloat16", cwd=root)
+    assert proc.returncode == 2 and "inside the distill run" in proc.stderr, proc.stderr[-1000:]
+    assert {p.name: p.read_bytes() for p in drafter.iterdir() if p.is_file()} == before
+    # a destination this user may not write to is refused with a message, before any work (checked in-process:
+    # root, as CI runs, may write anywhere)
+    from distill import export as export_module
+    from distill.errors import DraftsmithError
+
+    monkeypatch.setattr(export_module.os, "access", lambda path, mode: False)
+    with pytest.raises(DraftsmithError, match="not writable by this user"):
+        export_module.check_export_destination(tmp_path / "ro" / "drafter", overwrite=False)
+
+
 def test_pipeline_preflight_refuses_before_generating(tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()
