@@ -130,14 +130,17 @@ def auto_dtype_of(model) -> str:
 
 
 def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settings: dict, vocab: int, runner,
-                     hf_assisted: bool = False, check: bool = False) -> tuple[dict[str, Any], list]:
+                     hf_assisted: bool = False, check: bool = False,
+                     verify_costs: list[float] | None = None) -> tuple[dict[str, Any], list]:
     """One drafter as the decoder runs it: timed on ``timed`` (``decode.benchmark``), then its exact acceptance
     on every prompt's answer under ``simulated`` (and ``simulation_check`` with ``check``); returns the figures
-    and the per-prompt block totals (for paired differences)."""
+    and the per-prompt block totals (for paired differences). ``verify_costs`` (the target's, from the first
+    drafter's run) makes every drafter's predicted speedups share one verification cost: only c differs."""
     figures = benchmark(target, runner, timed, hf_assisted=hf_assisted, target_outputs=alone, **settings)
     simulation = settings_of(cfg.decode, figures)
     samples = teacher_forced(target, runner, prompts, answers, cfg.decode, vocab)
-    figures["simulated"], totals = simulated_drafter(samples, simulation, figures, cfg.evaluate.seed)
+    costs = {**figures, "verify_costs": verify_costs or figures.get("verify_costs")}
+    figures["simulated"], totals = simulated_drafter(samples, simulation, costs, cfg.evaluate.seed)
     if check:
         figures["simulation_check"] = simulation_check(runner, figures, timed, simulation, vocab)
     return figures, totals
@@ -225,7 +228,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                                    check=True)
     if base is not None:
         print("evaluate: undistilled drafter on the same prompts")
-        report["baseline_drafter"], base_totals = measure(drafter_for_decoding(base, quantization))
+        report["baseline_drafter"], base_totals = measure(drafter_for_decoding(base, quantization),
+                                                          verify_costs=report.get("verify_costs"))
         report["paired_difference"] = {
             **paired_tau_difference(tuned_totals, base_totals, seed=cfg.evaluate.seed),
             "of": "distilled minus undistilled, simulated tau on the same prompts",
@@ -238,7 +242,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         report["compared_drafters"] = {}
     for name in list(others):
         print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts")
-        report["compared_drafters"][name], _ = measure(drafter_for_decoding(others.pop(name), quantization))
+        report["compared_drafters"][name], _ = measure(drafter_for_decoding(others.pop(name), quantization),
+                                                       verify_costs=report.get("verify_costs"))
     if cfg.evaluate.prompt_lookup:
         lookup = prompt_lookup_section(prompts, answers, settings_of(dec, report), report.get("verify_costs"),
                                        cfg.evaluate.seed)

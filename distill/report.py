@@ -102,7 +102,8 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
     lines = ["## Acceptance on every held-out prompt (simulated exactly from teacher-forced passes)", "",
              f"{first.get('num_prompts')} prompts, {first.get('num_tokens')} target tokens, {first.get('kind')}, "
              f"K = {first.get('draft_length')} ({first.get('schedule')}); 95% intervals are bootstraps over prompts. Predicted speedup = "
-             "tau / (K c + verify cost), with c and the verify cost measured in this run's timed decoding.", "",
+             "tau / (K c + verify cost), with each drafter's c and one verification cost of the target measured "
+             "in this run's timed decoding (so they carry its timing noise; tau does not).", "",
              "| drafter | acceptance | tau | predicted speedup at K | best K | predicted speedup at best K | "
              "heuristic schedule tau |", "|---|---|---|---|---|---|---|"]
     for label, sim in rows.items():
@@ -121,8 +122,13 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
                   f"{paired['mean_accepted_tokens']:+.3f} [{lo:+.3f}, {hi:+.3f}] ({verdict})."]
     check = report.get("simulation_check")
     if check:
+        totals = (f"; accepted drafts {check['accepted_tokens'][0]} simulated vs {check['accepted_tokens'][1]} decoded "
+                  f"in {check['num_blocks'][0]} vs {check['num_blocks'][1]} blocks" if check.get("accepted_tokens") else "")
         lines += ["", f"Simulation check on the {check['prompts']} timed prompts (simulated on the decoder's own output): "
-                  f"{check['identical_blocks']} of {check['blocks']} blocks identical."]
+                  f"{check['identical_blocks']} of {check['blocks']} blocks identical before any difference, "
+                  f"{check.get('identical_prompts', '-')} prompts identical throughout{totals}. Exact in float32; an "
+                  "int8 drafter's full forward rounds differently from its one-token forwards (and a bf16 target's "
+                  "verification from its one-token decoding), so near-ties can flip a block there."]
     per_cat = first if "distilled drafter" not in rows else rows["distilled drafter"]
     categories = per_cat.get("per_category") or {}
     if len(categories) > 1:

@@ -112,7 +112,8 @@ def simulation_check(drafter, timed: dict[str, Any], prompts: Prompts, settings:
     """The simulated blocks on the timed decoder's own output tokens against its blocks, per prompt.
 
     ``identical_blocks`` counts each prompt's leading blocks that agree (after a difference the two are out
-    of step). Greedy only (None for sampling, where blocks are random).
+    of step); ``identical_prompts`` the prompts whose blocks all agree; ``accepted_tokens`` and ``num_blocks``
+    give both sides' totals ``[simulated, decoded]``. Greedy only (None for sampling, where blocks are random).
     """
     if settings.sampling:
         return None
@@ -122,13 +123,18 @@ def simulation_check(drafter, timed: dict[str, Any], prompts: Prompts, settings:
         return None
     outputs = [per_prompt[pid]["output_ids"] for pid, _, _ in timed_prompts]
     samples = teacher_forced_greedy(drafter, timed_prompts, outputs, vocab)
-    blocks = identical = 0
+    blocks = identical = same_prompts = 0
+    accepted, num_blocks = [0, 0], [0, 0]
     for sample, result in zip(samples, simulate(samples, settings)):
-        decoded = per_prompt[sample.prompt_id]["accepted_per_block"]
+        decoded, simulated = per_prompt[sample.prompt_id]["accepted_per_block"], result.accepted_per_block
         blocks += len(decoded)
-        identical += next((i for i, (a, b) in enumerate(zip(decoded, result.accepted_per_block)) if a != b),
-                          min(len(decoded), len(result.accepted_per_block)))
-    return {"prompts": len(samples), "blocks": blocks, "identical_blocks": identical}
+        identical += next((i for i, (a, b) in enumerate(zip(decoded, simulated)) if a != b),
+                          min(len(decoded), len(simulated)))
+        same_prompts += decoded == simulated
+        accepted = [accepted[0] + sum(simulated), accepted[1] + sum(decoded)]
+        num_blocks = [num_blocks[0] + len(simulated), num_blocks[1] + len(decoded)]
+    return {"prompts": len(samples), "blocks": blocks, "identical_blocks": identical,
+            "identical_prompts": same_prompts, "accepted_tokens": accepted, "num_blocks": num_blocks}
 
 
 def teacher_forced_greedy(drafter, prompts: Prompts, answers: list[list[int]], vocab: int) -> list[TeacherForced]:
