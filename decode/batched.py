@@ -163,7 +163,7 @@ def speculative_generate_batch(
             block = torch.cat([drafts[:, :n], last[:, None]], 1)
 
         # 3. Emit the block per row; find rows that finished.
-        block_host, matches_host = block.tolist(), matches.tolist()
+        block_host = block.tolist()
         finished = []
         for r, original in enumerate(rows):
             tokens = block_host[r]
@@ -176,7 +176,7 @@ def speculative_generate_batch(
                     del outputs[original][text_stop + 1:]
                     stop = text_stop
             s = stats[original]
-            # drafts kept (the row may have accepted more: matches_host[r]); a stop ends the block (its +1)
+            # drafts kept (the row may have accepted more); a stop ends the block (its +1)
             s.accepted_per_block.append(min(n, len(outputs[original]) - checked - 1))
             s.drafted_per_block.append(k)
             s.target_forwards += 1

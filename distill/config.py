@@ -18,22 +18,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from distill.errors import ConfigError
+from distill.hardware import auto_dtype  # noqa: F401 (config's `auto`, re-exported)
 
 STAGES = ("generate", "distill", "evaluate", "export", "pipeline", "check", "gather")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
-
-
-def auto_dtype() -> str:
-    """What ``dtype: auto`` means on this machine: ``bfloat16`` where bf16 matrix products have
-    hardware support (:func:`distill.models.bf16_is_fast` on CUDA if present, else the CPU), else
-    ``float32``. Without bf16 units torch runs bf16 through a scalar fallback: on a 2-core AVX2 CPU
-    a distill step with the 1.5B target online took 164 s in bf16 against 43 s in float32, and a
-    batched generate ran at 1.8 tokens/s (2026-12-01). Float32 also keeps greedy speculative output
-    identical to the target's (bf16 verification of K+1 tokens can flip near-ties)."""
-    from distill.models import bf16_is_fast
-
-    return "bfloat16" if bf16_is_fast() else "float32"
 
 
 def _check(ok: bool, key: str, message: str) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.errors import ConfigError, ModelIntegrityError, ModelNotFoundError
+from distill.hardware import auto_dtype
 from distill.rundir import make_shareable
 
 logger = logging.getLogger(__name__)
@@ -510,43 +511,12 @@ def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None 
     return model, tokenizer, resolved
 
 
-def bf16_is_fast(device: str | None = None) -> bool:
-    """Whether bfloat16 matrix products have hardware support on ``device`` ("cpu" or "cuda"; None = the
-    device training and decoding use: CUDA if present, else the CPU).
-
-    CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and later). CPU: oneDNN's bf16 path, which
-    needs AVX512 (native with AVX512-BF16 or AMX). Without it torch falls back to a scalar bf16
-    GEMM: on a 2-core AVX2 EPYC a backward pass of a 4-layer Qwen 0.5B cut under bf16 autocast took
-    83 s against 2.1 s in float32, and a 200-token prompt forward of the 1.5B target 4x longer
-    (measured 2026-12-01, ``/proc/cpuinfo`` without avx512f).
-    """
-    import torch
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if str(device).startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # private op: fall back to the public capability string
-        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
-def resolve_mixed_precision(setting: str, device: str | None = None) -> str:
-    """``distill.mixed_precision`` as accelerate takes it: ``auto`` becomes ``bf16`` where
-    :func:`bf16_is_fast` on ``device``, else ``no``; other values are returned as given."""
-    if setting != "auto":
-        return setting
-    return "bf16" if bf16_is_fast(device) else "no"
-
-
 def _parse_dtype(dtype):
     import torch
 
     if isinstance(dtype, torch.dtype):
         return dtype
     if str(dtype).lower() == "auto":
-        from distill.config import auto_dtype
-
         dtype = auto_dtype()
     canonical = _DTYPES.get(str(dtype).lower().removeprefix("torch."))
     if canonical is None:

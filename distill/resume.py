@@ -30,7 +30,7 @@ from pathlib import Path
 
 from distill.config import Config
 from distill.errors import ConfigError
-from distill.models import resolve_mixed_precision
+from distill.hardware import resolve_mixed_precision
 from distill.rundir import COMPLETE, write_json_atomic
 from distill.train import METRICS_FILE, STATE_FILE, VALIDATION_FILE
 

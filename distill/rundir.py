@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from distill.errors import DiskFullError, IncompleteRunError
+from distill.hardware import hardware
 
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -157,19 +158,6 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return versions
-
-
-def hardware() -> dict[str, Any]:
-    """What a run's speed figures depend on: the CPU's instruction set (torch's ``AVX2``, ``AVX512``, ...),
-    its core count, the GPU's name (None without CUDA) and whether bf16 has hardware units there
-    (:func:`distill.models.bf16_is_fast`, which ``dtype: auto`` follows)."""
-    import torch
-
-    from distill.models import bf16_is_fast
-
-    cuda = torch.cuda.is_available()
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if cuda else None, "bf16_fast": bf16_is_fast()}
 
 
 @dataclass

@@ -46,7 +46,7 @@ from decode.metrics import DecodeStats
 from decode.teacher_forcing import drafter_predictions
 from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out_of_memory_bytes
 from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
-from distill.models import resolve_mixed_precision
+from distill.hardware import resolve_mixed_precision
 from distill.reduced_vocab import draft_vocabulary_of, restrict_logits
 from distill.rundir import human_bytes, make_shareable, require_free_space
 

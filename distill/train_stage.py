@@ -25,8 +25,8 @@ from distill.config import Config
 from distill.drafters import LoraSettings, build_drafter, merge_drafter
 from distill.errors import ConfigError, DraftsmithError, TokenizerMismatchError
 from distill.generate import load_generated
-from distill.models import (ResolvedModel, bf16_is_fast, eos_token_ids, load_model, resolve_mixed_precision,
-                            resolve_model, tokenizers_compatible)
+from distill.hardware import bf16_is_fast, resolve_mixed_precision
+from distill.models import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
 from distill.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
 from distill.resume import find_finished, hold_lock, named_checkpoint, prepare_resume, resume_key
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic

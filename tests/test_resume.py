@@ -45,13 +45,14 @@ def test_resume_key_ignores_only_the_length_of_training():
 
 
 def test_resume_key_holds_what_auto_mixed_precision_becomes_here(monkeypatch):
+    import distill.hardware
     import distill.models
 
-    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device=None: False)
+    monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: False)
     auto = resume_key(_compose("experiment=tiny"), "data-a", "fp")
     assert auto == resume_key(_compose("experiment=tiny", "distill.mixed_precision=no"), "data-a", "fp")
     assert auto != resume_key(_compose("experiment=tiny", "distill.mixed_precision=bf16"), "data-a", "fp")
-    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device=None: True)  # a machine with bf16 units
+    monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: True)  # a machine with bf16 units
     assert resume_key(_compose("experiment=tiny"), "data-a", "fp") != auto
 
 

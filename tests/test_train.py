@@ -109,14 +109,15 @@ def test_fkl_steps_reduce_loss_and_raise_acceptance(target, examples, tmp_path):
 
 
 def test_auto_mixed_precision_is_bf16_only_where_bf16_is_fast(monkeypatch, caplog):
+    import distill.hardware
     import distill.models
     import distill.train_stage
 
-    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device=None: False)
-    assert distill.models.resolve_mixed_precision("auto") == "no"
-    assert distill.models.resolve_mixed_precision("bf16") == "bf16" and distill.models.resolve_mixed_precision("no") == "no"
-    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device=None: True)
-    assert distill.models.resolve_mixed_precision("auto", "cuda") == "bf16"
+    monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: False)
+    assert distill.hardware.resolve_mixed_precision("auto") == "no"
+    assert distill.hardware.resolve_mixed_precision("bf16") == "bf16" and distill.hardware.resolve_mixed_precision("no") == "no"
+    monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: True)
+    assert distill.hardware.resolve_mixed_precision("auto", "cuda") == "bf16"
     # bf16 asked for on a CPU without bf16 units: trained as asked, with a warning that says why it is slow
     monkeypatch.setattr(distill.train_stage, "bf16_is_fast", lambda device=None: False)
     with caplog.at_level("WARNING"):
@@ -129,9 +130,10 @@ def test_auto_mixed_precision_is_bf16_only_where_bf16_is_fast(monkeypatch, caplo
 def test_train_drafter_takes_auto_mixed_precision(target, examples, tmp_path, monkeypatch):
     # auto as a host without bf16 units resolves it: accelerate keeps the first precision a process asked for,
     # and the other tests in this process trained without autocast (on a bf16 host auto would ask for bf16)
+    import distill.hardware
     import distill.models
 
-    monkeypatch.setattr(distill.models, "bf16_is_fast", lambda device=None: False)
+    monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: False)
     result = train_drafter(_sibling(), target, examples, loss="fkl", lr=1e-2, max_steps=1, batch_size=2,
                            output_dir=tmp_path, mixed_precision="auto", progress=False)
     assert result["steps"] == 1 and result["final_loss"] > 0

@@ -1,0 +1,59 @@
+"""What the machine can do fast: bf16 hardware units, and what ``auto`` precision settings become here.
+
+The bottom layer of ``distill``: torch only (imported inside the functions, so the CLI starts quickly).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def bf16_is_fast(device: str | None = None) -> bool:
+    """Whether bfloat16 matrix products have hardware support on ``device`` ("cpu" or "cuda"; None = the
+    device training and decoding use: CUDA if present, else the CPU).
+
+    CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and later). CPU: oneDNN's bf16 path, which
+    needs AVX512 (native with AVX512-BF16 or AMX). Without it torch falls back to a scalar bf16
+    GEMM: on a 2-core AVX2 EPYC a backward pass of a 4-layer Qwen 0.5B cut under bf16 autocast took
+    83 s against 2.1 s in float32, and a 200-token prompt forward of the 1.5B target 4x longer
+    (measured 2026-12-01, ``/proc/cpuinfo`` without avx512f).
+    """
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # private op: fall back to the public capability string
+        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def resolve_mixed_precision(setting: str, device: str | None = None) -> str:
+    """``distill.mixed_precision`` as accelerate takes it: ``auto`` becomes ``bf16`` where
+    :func:`bf16_is_fast` on ``device``, else ``no``; other values are returned as given."""
+    if setting != "auto":
+        return setting
+    return "bf16" if bf16_is_fast(device) else "no"
+
+
+def auto_dtype() -> str:
+    """What ``dtype: auto`` means on this machine: ``bfloat16`` where bf16 matrix products have
+    hardware support (:func:`bf16_is_fast` on CUDA if present, else the CPU), else
+    ``float32``. Without bf16 units torch runs bf16 through a scalar fallback: on a 2-core AVX2 CPU
+    a distill step with the 1.5B target online took 164 s in bf16 against 43 s in float32, and a
+    batched generate ran at 1.8 tokens/s (2026-12-01). Float32 also keeps greedy speculative output
+    identical to the target's (bf16 verification of K+1 tokens can flip near-ties)."""
+    return "bfloat16" if bf16_is_fast() else "float32"
+
+
+def hardware() -> dict[str, Any]:
+    """What a run's speed figures depend on: the CPU's instruction set (torch's ``AVX2``, ``AVX512``, ...),
+    its core count, the GPU's name (None without CUDA) and whether bf16 has hardware units there
+    (:func:`bf16_is_fast`, which ``dtype: auto`` follows)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if cuda else None, "bf16_fast": bf16_is_fast()}
