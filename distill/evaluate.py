@@ -146,6 +146,35 @@ def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settin
     return figures, totals
 
 
+def _measure_the_others(cfg: Config, report: dict[str, Any], tuned_totals: list, measure, base, others: dict,
+                        draft_vocab, quantization: str, prompts, answers) -> None:
+    """The undistilled drafter (with the paired difference), ``evaluate.compare_drafters`` and prompt lookup,
+    measured like the distilled one into ``report``; ``others`` is emptied as each is done (memory)."""
+    dec = cfg.decode
+    if base is not None:
+        print("evaluate: undistilled drafter on the same prompts")
+        report["baseline_drafter"], base_totals = measure(drafter_for_decoding(base, quantization),
+                                                          verify_costs=report.get("verify_costs"))
+        report["paired_difference"] = {
+            **paired_tau_difference(tuned_totals, base_totals, seed=cfg.evaluate.seed),
+            "of": "distilled minus undistilled, simulated tau on the same prompts",
+            # each at the K it ran with (they differ only under decode.schedule=auto)
+            "draft_lengths": [report["simulated"]["draft_length"], report["baseline_drafter"]["simulated"]["draft_length"]]}
+        if draft_vocab is not None:
+            report["baseline_drafter"]["draft_vocab_size"] = int(draft_vocab.numel())
+    if others:
+        report["compared_drafters"] = {}
+    for name in list(others):
+        print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts")
+        report["compared_drafters"][name], _ = measure(drafter_for_decoding(others.pop(name), quantization),
+                                                       verify_costs=report.get("verify_costs"))
+    if cfg.evaluate.prompt_lookup:
+        lookup = prompt_lookup_section(prompts, answers, settings_of(dec, report), report.get("verify_costs"),
+                                       cfg.evaluate.seed)
+        if lookup:
+            report["baselines"]["prompt_lookup"] = lookup
+
+
 def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run stage 3 into ``run_dir``; returns the path of ``report.json``.
 
@@ -226,29 +255,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     print("evaluate: distilled drafter")
     report, tuned_totals = measure(drafter_for_decoding(tuned, quantization), hf_assisted=cfg.evaluate.hf_assisted,
                                    check=True)
-    if base is not None:
-        print("evaluate: undistilled drafter on the same prompts")
-        report["baseline_drafter"], base_totals = measure(drafter_for_decoding(base, quantization),
-                                                          verify_costs=report.get("verify_costs"))
-        report["paired_difference"] = {
-            **paired_tau_difference(tuned_totals, base_totals, seed=cfg.evaluate.seed),
-            "of": "distilled minus undistilled, simulated tau on the same prompts",
-            # each at the K it ran with (they differ only under decode.schedule=auto)
-            "draft_lengths": [report["simulated"]["draft_length"], report["baseline_drafter"]["simulated"]["draft_length"]]}
-        if draft_vocab is not None:
-            report["baseline_drafter"]["draft_vocab_size"] = int(draft_vocab.numel())
-        del base
-    if others:
-        report["compared_drafters"] = {}
-    for name in list(others):
-        print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts")
-        report["compared_drafters"][name], _ = measure(drafter_for_decoding(others.pop(name), quantization),
-                                                       verify_costs=report.get("verify_costs"))
-    if cfg.evaluate.prompt_lookup:
-        lookup = prompt_lookup_section(prompts, answers, settings_of(dec, report), report.get("verify_costs"),
-                                       cfg.evaluate.seed)
-        if lookup:
-            report["baselines"]["prompt_lookup"] = lookup
+    _measure_the_others(cfg, report, tuned_totals, measure, base, others, draft_vocab, quantization, prompts, answers)
+    del base
 
     report.update({
         "target": {"name": cfg.target.name, "fingerprint": target_res.fingerprint, "dtype": cfg.target.dtype},
