@@ -25,6 +25,10 @@ class IncompleteRunError(DraftsmithError):
     """A run folder lacks its COMPLETE marker (the stage crashed or is still running)."""
 
 
+class DamagedRunError(IncompleteRunError):
+    """A finished run's file is missing or not the size the run wrote (cut short or changed since)."""
+
+
 class TokenizerMismatchError(DraftsmithError):
     """Target and drafter tokenizers differ, so draft tokens cannot be verified."""
 
@@ -35,6 +39,10 @@ class DiskFullError(DraftsmithError):
 
 class OutOfMemoryError(DraftsmithError):
     """A step ran out of (GPU or host) memory; the message names the step, the size asked for and the settings to lower."""
+
+
+class ConcurrentWriteError(DraftsmithError):
+    """Another process wrote the same output folder at the same time."""
 
 
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")

@@ -35,8 +35,10 @@ from distill.report import write_report_markdown, write_report_plots
 from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
 from distill.simulation import (
     answer_all,
+    answers_target_key,
     prompt_lookup_section,
     settings_of,
+    simulated_choice,
     simulated_drafter,
     simulation_check,
     teacher_forced,
@@ -124,11 +126,6 @@ def _as_distilled(cfg: Config, info: dict[str, Any]) -> Config:
     return dataclasses.replace(cfg, drafter=drafter)
 
 
-def auto_dtype_of(model) -> str:
-    """The dtype ``dtype: auto`` became for ``model`` (its parameters'), for cache keys."""
-    return str(next(model.parameters()).dtype).replace("torch.", "")
-
-
 def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settings: dict, vocab: int, runner,
                      hf_assisted: bool = False, check: bool = False,
                      verify_costs: list[float] | None = None) -> tuple[dict[str, Any], list]:
@@ -141,6 +138,7 @@ def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settin
     samples = teacher_forced(target, runner, prompts, answers, cfg.decode, vocab)
     costs = {**figures, "verify_costs": verify_costs or figures.get("verify_costs")}
     figures["simulated"], totals = simulated_drafter(samples, simulation, costs, cfg.evaluate.seed)
+    figures["draft_length_choice"] = simulated_choice(figures["simulated"], figures.get("draft_length_choice"))
     if check:
         figures["simulation_check"] = simulation_check(runner, figures, timed, simulation, vocab)
     return figures, totals
@@ -242,12 +240,12 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     quantization = resolve_quantization(dec.drafter_quantization, target.device)
     use_onednn_linear(target)  # float32 on a CPU: few-token forwards through oneDNN (decode.cpu_linear)
     timed = prompts[:cfg.evaluate.timed_prompts]
-    print(f"evaluate: the target answers all {len(prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}"
-          f"prompts (batched), for the exact acceptance of every drafter")
+    print(f"evaluate: the target's answers to all {len(prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}"
+          f"prompts (generate's, or answered now, batched), for the exact acceptance of every drafter")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     answers = answer_all(target, prompts, dec, eos=eos, pad_id=pad_id, batch_size=cfg.generate.batch_size,
-                         seed=cfg.evaluate.seed, cache_dir=Path(cfg.outputs) / ".shards",
-                         target_key=f"{target_res.fingerprint}/{cfg.target.dtype}/{auto_dtype_of(target)}",
+                         seed=cfg.evaluate.seed, cache_dir=Path(cfg.outputs) / ".shards", look_in=(gen_dir,),
+                         target_key=answers_target_key(target_res.fingerprint, cfg.target.dtype, target),
                          tokenizer=tokenizer)
     print(f"evaluate: target alone on {len(timed)} of them, timed (evaluate.timed_prompts)")
     alone = run_target_alone(target, timed, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
@@ -309,6 +307,6 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     write_json_atomic(report_path, report)
     _log_report(cfg, run_dir, report, plots)
     write_report_markdown(report, run_dir / REPORT_MD)
-    run.complete(report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
+    run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
                  acceptance_rate=report.get("acceptance_rate"))
     return report_path

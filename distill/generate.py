@@ -33,7 +33,8 @@ from distill.config import Config
 from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
 from distill.models import eos_token_ids, load_model, resolve_model
 from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
-from distill.rundir import StageRun, atomic_dir, write_text_atomic
+from distill.rundir import StageRun, atomic_dir, exclusive, write_text_atomic
+from distill.simulation import answer_all, answers_file, answers_key, answers_target_key
 from distill.tracking import make_logger, run_name
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,82 @@ def answer_batch(model, input_ids: list[list[int]], *, pad_id: int, eos_ids: lis
     return results
 
 
+def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_root: Path, names: dict[int, str],
+                   cfg: Config, *, pad_id: int, eos_ids: list[int], fingerprint: str) -> tuple[int, float]:
+    """Answer the training prompts shard by shard into ``shard_root`` (``names``: shard start -> folder name),
+    skipping the shards already there; returns (new tokens, generation seconds) of the shards written now.
+
+    Raises:
+        OutOfMemoryError: a batch did not fit, naming the settings to lower.
+    """
+    g = cfg.generate
+    starts = sorted(names)
+    # two runs into one outputs= (a sweep, a retry) take turns here: the second reuses the first's shards
+    with exclusive(shard_root, f"generate: another run is writing shards in {shard_root}; waiting for it "
+                               f"(the shards it finishes are reused, not written again)"):
+        done = [s for s in starts if (shard_root / names[s]).is_dir()]
+        if done:
+            print(f"generate: resuming, {len(done)}/{len(starts)} shards already finished in {shard_root}")
+
+        new_tokens, gen_s = 0, 0.0
+        already = sum(min(g.shard_size, len(train) - s) for s in done)
+        bar = tqdm(total=len(train), desc="generate", unit="prompt", initial=already)
+        for start in starts:
+            shard_dir = shard_root / names[start]
+            if shard_dir.is_dir():
+                continue
+            torch.manual_seed(cfg.data.seed * 1_000_003 + start)  # a resumed shard samples what it would have
+            rows = []
+            for b in range(start, min(start + g.shard_size, len(train)), g.batch_size):
+                idx = list(range(b, min(b + g.batch_size, start + g.shard_size, len(train))))
+                t = time.perf_counter()
+                try:
+                    answers = answer_batch(model, [encoded[i] for i in idx], pad_id=pad_id, eos_ids=eos_ids,
+                                           max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                           store_top_k=g.store_top_k)
+                except (MemoryError, RuntimeError) as err:
+                    if (asked := out_of_memory_bytes(err)) is None:
+                        raise
+                    size = f" (an allocation of {asked / 2**30:.2f} GiB failed)" if asked else ""
+                    raise OutOfMemoryError(
+                        f"out of memory answering prompts {idx[0]}-{idx[-1]} in a batch of {len(idx)}{size}: lower "
+                        f"generate.batch_size (now {g.batch_size}) or generate.max_new_tokens. Finished shards stay in "
+                        f"{shard_root}; a new batch size writes new shards (batching changes the numerics)") from err
+                gen_s += time.perf_counter() - t
+                for i, answer in zip(idx, answers):
+                    new_tokens += len(answer["completion_ids"])
+                    rows.append({"prompt_id": train[i].id, "source": train[i].source, "category": train[i].category,
+                                 "prompt_ids": encoded[i], **answer,
+                                 "temperature": g.temperature, "top_p": g.top_p,
+                                 "target_fingerprint": fingerprint})
+                bar.update(len(idx))
+                bar.set_postfix(tok_s=f"{new_tokens / max(gen_s, 1e-9):.1f}")
+            with atomic_dir(shard_dir) as tmp:
+                Dataset.from_list(rows).save_to_disk(str(tmp))
+        bar.close()
+    return new_tokens, gen_s
+
+
+def _answer_held_out(model, tokenizer, held_out: list[Prompt], cfg: Config, run_dir: Path, *, pad_id: int,
+                     eos_ids: list[int], fingerprint: str) -> tuple[float, str | None]:
+    """The target's answers to the first ``evaluate.num_prompts`` held-out prompts, decoded as evaluate decodes
+    (``decode.*``), into ``run_dir``: evaluate's exact acceptance reads them there, so every evaluate of a
+    sweep on this data costs only its drafters' passes. Returns (seconds, the answers file's name or None
+    when there is nothing to answer: no held-out prompts, or ``evaluate.prompts`` names other prompts)."""
+    wanted = held_out[:cfg.evaluate.num_prompts]
+    if not wanted or cfg.evaluate.prompts:
+        return 0.0, None
+    print(f"generate: the target answers the {len(wanted)} held-out prompts too (decode.max_new_tokens="
+          f"{cfg.decode.max_new_tokens}), for evaluate's exact acceptance")
+    start = time.perf_counter()
+    prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in wanted]
+    common = dict(eos=eos_ids, batch_size=cfg.generate.batch_size, seed=cfg.evaluate.seed,
+                  target_key=answers_target_key(fingerprint, cfg.target.dtype, model))
+    answer_all(model, prompts, cfg.decode, pad_id=pad_id, cache_dir=run_dir, tokenizer=tokenizer, who="generate",
+               **common)
+    return time.perf_counter() - start, answers_file(answers_key(model, prompts, cfg.decode, **common))
+
+
 def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run stage 1 into ``run_dir``; returns ``run_dir``.
 
@@ -191,49 +268,10 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     g = cfg.generate
     key = _shard_key(resolved.fingerprint, cfg)
     shard_root = Path(cfg.outputs) / ".shards" / f"generate-{key}"
-    shard_root.mkdir(parents=True, exist_ok=True)
     starts = list(range(0, len(train), g.shard_size))
     names = {s: _shard_name(s, train[s:s + g.shard_size]) for s in starts}
-    done = [s for s in starts if (shard_root / names[s]).is_dir()]
-    if done:
-        print(f"generate: resuming, {len(done)}/{len(starts)} shards already finished in {shard_root}")
-
-    new_tokens, gen_s = 0, 0.0
-    already = sum(min(g.shard_size, len(train) - s) for s in done)
-    bar = tqdm(total=len(train), desc="generate", unit="prompt", initial=already)
-    for start in starts:
-        shard_dir = shard_root / names[start]
-        if shard_dir.is_dir():
-            continue
-        torch.manual_seed(cfg.data.seed * 1_000_003 + start)  # a resumed shard samples what it would have
-        rows = []
-        for b in range(start, min(start + g.shard_size, len(train)), g.batch_size):
-            idx = list(range(b, min(b + g.batch_size, start + g.shard_size, len(train))))
-            t = time.perf_counter()
-            try:
-                answers = answer_batch(model, [encoded[i] for i in idx], pad_id=pad_id, eos_ids=eos_ids,
-                                       max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                       store_top_k=g.store_top_k)
-            except (MemoryError, RuntimeError) as err:
-                if (asked := out_of_memory_bytes(err)) is None:
-                    raise
-                size = f" (an allocation of {asked / 2**30:.2f} GiB failed)" if asked else ""
-                raise OutOfMemoryError(
-                    f"out of memory answering prompts {idx[0]}-{idx[-1]} in a batch of {len(idx)}{size}: lower "
-                    f"generate.batch_size (now {g.batch_size}) or generate.max_new_tokens. Finished shards stay in "
-                    f"{shard_root}; a new batch size writes new shards (batching changes the numerics)") from err
-            gen_s += time.perf_counter() - t
-            for i, answer in zip(idx, answers):
-                new_tokens += len(answer["completion_ids"])
-                rows.append({"prompt_id": train[i].id, "source": train[i].source, "category": train[i].category,
-                             "prompt_ids": encoded[i], **answer,
-                             "temperature": g.temperature, "top_p": g.top_p,
-                             "target_fingerprint": resolved.fingerprint})
-            bar.update(len(idx))
-            bar.set_postfix(tok_s=f"{new_tokens / max(gen_s, 1e-9):.1f}")
-        with atomic_dir(shard_dir) as tmp:
-            Dataset.from_list(rows).save_to_disk(str(tmp))
-    bar.close()
+    new_tokens, gen_s = _answer_shards(model, train, encoded, shard_root, names, cfg, pad_id=pad_id, eos_ids=eos_ids,
+                                       fingerprint=resolved.fingerprint)
 
     dataset = concatenate_datasets([load_from_disk(str(shard_root / names[s])) for s in starts])
     final = run_dir / DATASET_DIR
@@ -241,6 +279,8 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         shutil.rmtree(final)
     with atomic_dir(final) as tmp:
         dataset.save_to_disk(str(tmp))
+    answers_s, answers = _answer_held_out(model, tokenizer, held_out, cfg, run_dir, pad_id=pad_id, eos_ids=eos_ids,
+                                          fingerprint=resolved.fingerprint)
     lengths = dataset["completion_ids"]
     facts = {"num_train_prompts": len(train), "num_eval_prompts": len(held_out),
              "completion_tokens": sum(len(x) for x in lengths),
@@ -253,6 +293,8 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     finally:
         logger.finish()
     return run.complete(
+        artifacts=(DATASET_DIR, EVAL_PROMPTS, *([answers] if answers else [])),
+        held_out_answers={"file": answers, "seconds": round(answers_s, 2)} if answers else None,
         target={"name": cfg.target.name, "fingerprint": resolved.fingerprint, "source": resolved.source,
                 "dtype": cfg.target.dtype},
         num_train_prompts=len(train), num_eval_prompts=len(held_out), shard_cache=str(shard_root),

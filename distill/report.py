@@ -207,7 +207,8 @@ def render_report_markdown(report: dict[str, Any]) -> str:
     if choice:
         by_k = choice.get("expected_speedup_by_k") or {}
         lines += ["", "## Choice of draft length K (distilled drafter)", "",
-                  f"Recommended K = {choice.get('best_draft_length')} from the measured per-position acceptance, "
+                  f"Recommended K = {choice.get('best_draft_length')} from the "
+                  f"{choice.get('source', 'measured per-position') + ' acceptance'}, "
                   f"c = {_fmt(choice.get('cost_ratio'), '{:.3f}')} and the measured verification cost; the "
                   f"article's rule of thumb K = max(2, int(accuracy x 5)) gives K = {choice.get('rule_of_thumb')}. "
                   + (f"Acceptance was measured up to position {choice['measured_positions']}; larger K "
@@ -317,7 +318,7 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
                            label=f"{label}: measured", zorder=3)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set(xlabel="draft length K", ylabel="speedup vs target alone",
-               title="Speedup vs K (measured acceptance, c, verify cost)")
+               title="Speedup vs K (simulated acceptance, measured c, verify cost)")
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(folder / "speedup_vs_k.png")

@@ -31,7 +31,7 @@ from pathlib import Path
 from distill.config import Config
 from distill.errors import ConfigError
 from distill.hardware import resolve_mixed_precision
-from distill.rundir import COMPLETE, write_json_atomic
+from distill.rundir import COMPLETE, run_damage, write_json_atomic
 from distill.train import METRICS_FILE, STATE_FILE, VALIDATION_FILE
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,9 @@ def find_finished(outputs: Path, key: str, max_steps: int) -> Path | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if same and steps == max_steps:
+            if damage := run_damage(run, json.loads((run / "manifest.json").read_text())):
+                log.warning("not reusing the finished run %s: %s; training again", run, damage)
+                continue
             candidates.append((marker.stat().st_mtime, run))
     return max(candidates)[1] if candidates else None
 

@@ -8,22 +8,26 @@ carry the marker, so a killed run is never mistaken for a finished one.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import platform
 import resource
+import shlex
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
-from distill.errors import DiskFullError, IncompleteRunError
+import yaml
+
+from distill.errors import ConcurrentWriteError, DamagedRunError, DiskFullError, IncompleteRunError
 from distill.hardware import hardware
 
 COMPLETE = "COMPLETE"
@@ -123,6 +127,7 @@ def atomic_dir(final: Path, needed_bytes: int | None = None) -> Iterator[Path]:
     Raises:
         FileExistsError: ``final`` already exists (the caller decides about overwriting first).
         DiskFullError: too little free space before, or the disk filled up while writing.
+        ConcurrentWriteError: another process renamed a folder to ``final`` first.
     """
     final = Path(final)
     if final.exists():
@@ -139,10 +144,32 @@ def atomic_dir(final: Path, needed_bytes: int | None = None) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise _disk_full(err, final, needed_bytes) from err
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise ConcurrentWriteError(f"{final} was written by another process while this one wrote it: two "
+                                       f"runs share outputs= and wrote the same folder. The other's copy was "
+                                       f"kept; run the same command again once it has finished") from err
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def exclusive(folder: Path, waiting: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (a ``.lock`` file in it, released when the process dies) for the
+    block; when another process holds it, print ``waiting`` and wait. Two runs that write the same shard cache
+    then take turns, and the second reuses what the first finished instead of writing the same shards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(waiting, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def peak_rss_bytes() -> int:
@@ -180,15 +207,59 @@ class StageRun:
                     "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         return cls(stage=stage, path=path, manifest=manifest)
 
-    def complete(self, **extra: Any) -> Path:
-        """Write the manifest with wall time and peak memory, then the completion marker."""
+    def complete(self, artifacts: Sequence[str] = (), **extra: Any) -> Path:
+        """Write the manifest with wall time, peak memory and the sizes of the files in ``artifacts`` (file or
+        folder names in the run folder: what later stages load, checked by :func:`require_complete`), then the
+        completion marker."""
         self.manifest.update(extra)
+        self.manifest[FILE_SIZES] = artifact_sizes(self.path, artifacts)
         self.manifest["wall_s"] = round(time.perf_counter() - self.started, 2)
         self.manifest["peak_rss_bytes"] = peak_rss_bytes()
         self.manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         write_json_atomic(self.path / MANIFEST, self.manifest)
         write_text_atomic(self.path / COMPLETE, self.manifest["finished_at"] + "\n")
         return self.path
+
+
+FILE_SIZES = "file_sizes"  # in a manifest: {path relative to the run folder: bytes} of what the run wrote
+
+
+def artifact_sizes(run: Path, names: Sequence[str]) -> dict[str, int]:
+    """``{relative path: bytes}`` of every file in ``run``'s files or folders ``names`` (missing ones skipped)."""
+    sizes = {}
+    for name in names:
+        item = Path(run) / name
+        files = [item] if item.is_file() else sorted(f for f in item.rglob("*") if f.is_file())
+        sizes.update({str(f.relative_to(run)): f.stat().st_size for f in files})
+    return sizes
+
+
+def run_damage(run: Path, manifest: dict[str, Any]) -> str | None:
+    """What is wrong with a finished run's files against the sizes its manifest recorded, or None. A size
+    check is cheap (no reading) and catches what a full disk, a killed copy or a sync leaves: a cut file."""
+    for rel, size in manifest.get(FILE_SIZES, {}).items():
+        item = Path(run) / rel
+        if not item.is_file():
+            return f"{rel} is missing"
+        if (found := item.stat().st_size) != size:
+            return f"{rel} is {human_bytes(found)} where the run wrote {human_bytes(size)}"
+    return None
+
+
+def rerun_command(run: Path) -> str | None:
+    """The command line that made ``run`` (a stage folder, or one inside a pipeline's), from Hydra's
+    ``.hydra/overrides.yaml``; None when it is not there."""
+    for folder in (Path(run), Path(run).parent):
+        overrides = folder / ".hydra" / "overrides.yaml"
+        if overrides.is_file():
+            try:
+                args = [str(a) for a in yaml.safe_load(overrides.read_text()) or []]
+            except (OSError, yaml.YAMLError):
+                return None
+            stage = next((a.split("=", 1)[1] for a in args if a.startswith("stage=")), None)
+            rest = [a for a in args if not a.startswith("stage=")]
+            return shlex.join(["draftsmith", stage or read_manifest(run).get("stage", "<stage>"), *rest])
+    return None
 
 
 def is_complete(path: Path) -> bool:
@@ -208,6 +279,8 @@ def require_complete(path: str | Path, stage: str, key: str | None = None) -> Pa
 
     Raises:
         IncompleteRunError: the folder is missing, unfinished, or from another stage.
+        DamagedRunError: a file the run wrote is missing or not the size it had (the message gives the
+            command that writes the run again).
     """
     path, key = Path(path).expanduser().absolute(), key or f"inputs.{stage}"  # recorded in manifests: absolute
     if (path / REUSED).is_file():  # a sweep job that found its run already finished: that run
@@ -226,9 +299,17 @@ def require_complete(path: str | Path, stage: str, key: str | None = None) -> Pa
         raise IncompleteRunError(
             f"{path} has no {COMPLETE} marker: that {stage} run did not finish. Re-run it with the same "
             f"command (it resumes), or pass {key}=<a finished run folder>")
-    found = read_manifest(path).get("stage")
+    manifest = read_manifest(path)
+    found = manifest.get("stage")
     if found != stage:
         raise IncompleteRunError(f"{path} is a run of stage {found!r}, not {stage!r}: pass {key}=<a {stage} run folder>")
+    if damage := run_damage(path, manifest):
+        command = rerun_command(path)
+        again = f"`{command}` (the command that made it)" if command else \
+            f"the command that made it (its settings are in {path / 'config.yaml'})"
+        raise DamagedRunError(f"the finished {stage} run {path} is damaged: {damage} (cut short or changed since it "
+                              f"finished). Run {again} again: it writes a new run, reusing what is intact, "
+                              f"or pass {key}=<another finished {stage} run>")
     return path
 
 
@@ -256,4 +337,4 @@ def find_latest(outputs: str | Path, stage: str, where: Callable[[dict], bool] |
 
 def resolve_input(given: str | None, outputs: str | Path, stage: str) -> Path:
     """``given`` checked as a finished ``stage`` run, or the newest one under ``outputs``."""
-    return require_complete(given, stage) if given else find_latest(outputs, stage)
+    return require_complete(given or find_latest(outputs, stage), stage)

@@ -37,28 +37,29 @@ def settings_of(decode_cfg, timed: dict[str, Any]) -> SimulationSettings:
                               sampling=sampling)
 
 
+def answers_target_key(fingerprint: str, dtype_setting: str, model) -> str:
+    """What identifies the target in an answers cache key: its fingerprint, the ``target.dtype`` setting and
+    the dtype that setting became (``auto`` differs between hosts)."""
+    return f"{fingerprint}/{dtype_setting}/{str(next(model.parameters()).dtype).replace('torch.', '')}"
+
+
 def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: int, batch_size: int, seed: int,
-               cache_dir: Path | None = None, target_key: str = "", tokenizer=None) -> list[list[int]]:
+               cache_dir: Path | None = None, target_key: str = "", tokenizer=None,
+               look_in: tuple[Path, ...] = (), who: str = "evaluate") -> list[list[int]]:
     """The target's answers to every prompt, as the decoder would emit them (greedy, or sampled with ``seed``),
     each cut after the token completing one of ``decode.stop_strings`` (needs ``tokenizer``) as the decoder cuts.
 
     With ``cache_dir``, answers are kept in ``cache_dir/answers-<key>.json`` (written atomically), the key
-    covering ``target_key`` (the target's fingerprint and dtype), the decode settings, the batch size and the
-    prompts' token ids: every evaluate of a sweep on the same held-out set answers them once.
+    covering ``target_key`` (see :func:`answers_target_key`), the decode settings, the batch size and the
+    prompts' token ids: generate answers its held-out prompts into its run folder, and every evaluate of a
+    sweep on that held-out set reads them there (``look_in``) or answers once into ``cache_dir``.
     """
-    settings = (decode_cfg.max_new_tokens, decode_cfg.temperature, decode_cfg.top_k, decode_cfg.top_p, seed,
-                batch_size, list(eos), list(decode_cfg.stop_strings),  # batching changes the rounding: the answers too
-                str(target.device), torch.__version__)
-    key = hashlib.sha256(json.dumps([target_key, settings, [ids for _, _, ids in prompts]]).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"answers-{key}.json" if cache_dir else None
-    if path is not None and path.is_file():
-        try:
-            cached = json.loads(path.read_text())
-            if len(cached) == len(prompts):
-                print(f"evaluate: the target's answers to these {len(prompts)} prompts come from {path}")
-                return cached
-        except (OSError, ValueError):
-            pass  # unreadable: answer again and overwrite it
+    key = answers_key(target, prompts, decode_cfg, eos=eos, batch_size=batch_size, seed=seed, target_key=target_key)
+    for folder in (*look_in, *([cache_dir] if cache_dir else [])):
+        cached = _cached_answers(Path(folder) / answers_file(key), len(prompts))
+        if cached is not None:
+            print(f"{who}: the target's answers to these {len(prompts)} prompts come from {folder / answers_file(key)}")
+            return cached
     answers = target_answers(target, [ids for _, _, ids in prompts], max_new_tokens=decode_cfg.max_new_tokens,
                              eos_token_ids=eos, pad_token_id=pad_id, batch_size=batch_size,
                              temperature=decode_cfg.temperature, top_k=decode_cfg.top_k, top_p=decode_cfg.top_p,
@@ -68,9 +69,31 @@ def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: 
         for i, answer in enumerate(answers):
             stop = stopper.first_stop(answer, 0)
             answers[i] = answer if stop is None else answer[:stop + 1]
-    if path is not None:
-        write_json_atomic(path, answers)
+    if cache_dir is not None:
+        write_json_atomic(Path(cache_dir) / answers_file(key), answers)
     return answers
+
+
+def answers_key(target, prompts: Prompts, decode_cfg, *, eos: list[int], batch_size: int, seed: int,
+                target_key: str) -> str:
+    """The cache key of :func:`answer_all`'s answers (16 hex digits)."""
+    settings = (decode_cfg.max_new_tokens, decode_cfg.temperature, decode_cfg.top_k, decode_cfg.top_p, seed,
+                batch_size, list(eos), list(decode_cfg.stop_strings),  # batching changes the rounding: the answers too
+                str(target.device), torch.__version__)
+    return hashlib.sha256(json.dumps([target_key, settings, [ids for _, _, ids in prompts]]).encode()).hexdigest()[:16]
+
+
+def answers_file(key: str) -> str:
+    """The answers file's name for ``key``."""
+    return f"answers-{key}.json"
+
+
+def _cached_answers(path: Path, count: int) -> list[list[int]] | None:
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # absent or unreadable: answered again (and rewritten)
+    return cached if isinstance(cached, list) and len(cached) == count else None
 
 
 def teacher_forced(target, drafter, prompts: Prompts, answers: list[list[int]], decode_cfg,
@@ -93,6 +116,23 @@ def simulated_drafter(samples: list[TeacherForced], settings: SimulationSettings
     """``simulated`` of one model drafter, predicted speedups from its timed run's c and verification costs."""
     return simulated_section(samples, settings, cost_ratio=timed.get("cost_ratio"),
                              verify_costs=timed.get("verify_costs"), seed=seed)
+
+
+def simulated_choice(section: dict[str, Any], timed_choice: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``draft_length_choice`` from the simulated tau at every K (``section["per_k"]``) and the measured costs,
+    in place of the timed run's, which extrapolates past the positions its few prompts drafted; the timed
+    run's pick is kept as ``timed_best_draft_length``. None when the section has no per-K figures."""
+    per_k = (section or {}).get("per_k") or {}
+    by_k = {int(k): v["predicted_speedup"] for k, v in per_k.items() if v.get("predicted_speedup") is not None}
+    if not by_k:
+        return timed_choice
+    timed_choice = timed_choice or {}
+    best = section.get("recommended_draft_length") or max(by_k, key=lambda k: (by_k[k], -k))
+    return {"best_draft_length": int(best), "expected_speedup_by_k": by_k,
+            "rule_of_thumb": timed_choice.get("rule_of_thumb"), "cost_ratio": timed_choice.get("cost_ratio"),
+            "verify_costs": timed_choice.get("verify_costs"), "speculation_pays": max(by_k.values()) > 1.0,
+            "source": f"simulated on {section.get('num_prompts')} prompts",
+            "timed_best_draft_length": timed_choice.get("best_draft_length")}
 
 
 def prompt_lookup_section(prompts: Prompts, answers: list[list[int]], settings: SimulationSettings,

@@ -348,6 +348,7 @@ def _save_run(cfg: Config, run: StageRun, drafter, drafter_tok, target_res: Reso
         drafter_tok.save_pretrained(tmp)
         write_json_atomic(tmp / DRAFTER_INFO, info)
     lock.close()
-    return run.complete(drafter=info, num_train_examples=num_train, num_val_examples=num_val,
-                        model_load_s=round(load_s, 2), train=metrics, draft_vocab=draft_vocab, **resumed,
+    return run.complete(artifacts=(DRAFTER_DIR,), drafter=info, num_train_examples=num_train,
+                        num_val_examples=num_val, model_load_s=round(load_s, 2), train=metrics,
+                        draft_vocab=draft_vocab, **resumed,
                         **({"extra_generate": added} if added else {}))

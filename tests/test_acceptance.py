@@ -303,3 +303,20 @@ def test_simulated_section_with_a_capped_heuristic_and_sampling_settings(pair):
                                  confidence_threshold=0.4, temperature=0.8)
     sampled = settings_of(decode_cfg, {"draft_length": 3})
     assert (sampled.schedule, sampled.confidence_threshold, sampled.sampling) == ("constant", 0.0, True)
+
+
+def test_the_recommended_k_comes_from_the_simulated_figures_not_the_timed_extrapolation():
+    from distill.simulation import simulated_choice
+
+    timed = {"best_draft_length": 6, "rule_of_thumb": 4, "cost_ratio": 0.1, "verify_costs": {1: 1.0},
+             "speculation_pays": True, "measured_positions": 3, "expected_speedup_by_k": {6: 2.5}}
+    section = {"num_prompts": 128, "recommended_draft_length": 2,
+               "per_k": {"1": {"predicted_speedup": 1.2}, "2": {"predicted_speedup": 1.5},
+                         "3": {"predicted_speedup": 1.4}}}
+    choice = simulated_choice(section, timed)
+    assert choice["best_draft_length"] == 2 and choice["expected_speedup_by_k"] == {1: 1.2, 2: 1.5, 3: 1.4}
+    assert choice["timed_best_draft_length"] == 6 and "measured_positions" not in choice
+    assert choice["source"] == "simulated on 128 prompts" and choice["speculation_pays"]
+    slow = {**section, "recommended_draft_length": 1, "per_k": {"1": {"predicted_speedup": 0.8}}}
+    assert not simulated_choice(slow, timed)["speculation_pays"]
+    assert simulated_choice({"per_k": {}}, timed) is timed  # nothing simulated: the timed choice stays

@@ -711,3 +711,42 @@ def test_held_out_prompts_of_another_generate_run_are_checked_against_the_traini
     # the drafter's own generate run: nothing seen, and the report says plainly "held-out prompts"
     own = json.loads((first / "evaluate" / "report.json").read_text())
     assert own["eval_prompts"] == {"source": "held-out", "seen_in_training": 0}
+
+
+def test_a_damaged_file_in_a_finished_run_is_named_with_the_command_that_writes_it_again(tiny_run, tmp_path):
+    """A cut .arrow or model.safetensors in a COMPLETE run: the size check in the manifest catches it before any
+    loading, and the message gives the run, the file and the command line that made the run."""
+    import shutil
+
+    from distill.errors import DamagedRunError
+    from distill.rundir import require_complete
+
+    root, proc = tiny_run
+    copy = tmp_path / "pipeline"
+    shutil.copytree(Path(proc.stdout.strip().splitlines()[-1]).parent.parent, copy)
+    assert require_complete(copy / "generate", "generate") == copy / "generate"  # intact: accepted
+    [arrow] = (copy / "generate" / "dataset").glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    with pytest.raises(DamagedRunError, match=r"generate run .* is damaged: dataset/.*\.arrow is 100 bytes where "
+                                              r"the run wrote .*`draftsmith pipeline experiment=tiny outputs="):
+        require_complete(copy / "generate", "generate")
+    weights = copy / "distill" / "drafter" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    for stage in ("evaluate", "export"):
+        refused = draftsmith(stage, "experiment=tiny", f"inputs.distill={copy / 'distill'}",
+                             f"outputs={tmp_path / 'out'}", cwd=tmp_path)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+        assert "drafter/model.safetensors is 1000 bytes" in refused.stderr and "is damaged" in refused.stderr
+
+
+def test_generate_answers_the_held_out_prompts_and_evaluate_reads_them(tiny_run):
+    """The target's held-out answers are written once by generate (listed in its manifest with their size)
+    and read by evaluate: a sweep's evaluates then pay only for their drafters' passes."""
+    root, proc = tiny_run
+    generate = Path(proc.stdout.strip().splitlines()[-1]).parent.parent / "generate"
+    manifest = json.loads((generate / "manifest.json").read_text())
+    answers_file = generate / manifest["held_out_answers"]["file"]
+    answers = json.loads(answers_file.read_text())
+    assert len(answers) == 3 and all(1 <= len(a) <= 24 for a in answers)  # evaluate.num_prompts, decode.max_new_tokens
+    assert manifest["file_sizes"][answers_file.name] == answers_file.stat().st_size
+    assert f"answers to these 3 prompts come from {answers_file}" in proc.stdout

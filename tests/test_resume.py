@@ -283,3 +283,35 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, cap
     optimizer = run / "checkpoints" / "checkpoint-5" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:20])
     assert latest_checkpoint(run / "checkpoints") is None
+
+
+def test_two_generate_runs_into_one_outputs_take_turns_and_agree(tmp_path):
+    """A sweep or a retry can start the same generate twice at once: the second waits for the shard cache's
+    lock and reuses the shards instead of dying on a rename of a folder the first wrote."""
+    from datasets import load_from_disk
+
+    out = tmp_path / "outputs"
+    args = ["generate", "experiment=tiny", "generate.num_prompts=40", "generate.shard_size=4", "logger=none",
+            f"outputs={out}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-m", "distill.cli", *args, f"hydra.run.dir={out}/generate/run{i}"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    stdout = "".join(o for o, _ in results)
+    assert "another run is writing shards" in stdout or "resuming" in stdout
+    rows = [load_from_disk(str(out / "generate" / f"run{i}" / "dataset")) for i in range(2)]
+    assert rows[0]["completion_ids"] == rows[1]["completion_ids"] and len(rows[0]) == 40
+
+
+def test_a_folder_written_twice_at_once_gets_a_clear_error(tmp_path):
+    from distill.errors import ConcurrentWriteError
+    from distill.rundir import atomic_dir
+
+    with pytest.raises(ConcurrentWriteError, match="another process.*run the same command again"):
+        with atomic_dir(tmp_path / "shard") as tmp:
+            (tmp / "rows").write_text("mine")
+            (tmp_path / "shard").mkdir()  # the other process renames its copy first
+            (tmp_path / "shard" / "rows").write_text("theirs")
+    assert (tmp_path / "shard" / "rows").read_text() == "theirs" and not list(tmp_path.glob(".shard.*"))
