@@ -30,13 +30,14 @@ from transformers import DynamicCache
 
 from decode.metrics import DecodeStats
 from decode.sampling import check_sampling_args, process_logits, speculative_accept
-from decode.speculative import SpeculativeOutput, _forward_parameters, _sync, _vocab_size, draw_draft
+from decode.model_calls import forward_parameters, sync, vocab_size_of
+from decode.speculative import SpeculativeOutput, draw_draft
 from decode.stopping import StopStrings
 
 
 def _batched_forward(model, input_ids, cache, attention_mask, positions, last_only=False) -> torch.Tensor:
     """Cached forward of ``input_ids`` ``(B, n)``; ``attention_mask`` ``(B, past + n)``; logits ``(B, n or 1, V)``."""
-    parameters = _forward_parameters(type(model))
+    parameters = forward_parameters(type(model))
     kwargs = {"cache" if "cache" in parameters else "past_key_values": cache, "use_cache": True}
     if last_only and "logits_to_keep" in parameters:
         kwargs["logits_to_keep"] = 1
@@ -94,7 +95,7 @@ def speculative_generate_batch(
     check_sampling_args(temperature, top_k, top_p)
     stopper = StopStrings(stop_strings, tokenizer)
     device, greedy, eos = target.device, temperature == 0, set(eos_token_ids)
-    vocab = min(_vocab_size(target), _vocab_size(drafter))
+    vocab = min(vocab_size_of(target), vocab_size_of(drafter))
     batch = len(prompts)
     stats = [DecodeStats(draft_length=draft_length) for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -121,7 +122,7 @@ def speculative_generate_batch(
     if width > 1:
         for model, cache in ((target, target_cache), (drafter, draft_cache)):
             _batched_forward(model, seq[:, :-1], cache, mask(width - 1), positions(0, width - 1), last_only=True)
-    _sync(device)
+    sync(device)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
 
@@ -201,7 +202,7 @@ def speculative_generate_batch(
             seq, pads = seq[index], pads[index]
             rows = [rows[r] for r in keep]
 
-    _sync(device)
+    sync(device)
     decode_s = time.perf_counter() - start
     results = []
     for original, s in enumerate(stats):

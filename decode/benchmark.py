@@ -29,16 +29,8 @@ from transformers.utils import logging as hf_logging
 
 from decode.draft_length import choose_draft_length
 from decode.metrics import DecodeStats, theoretical_speedup
-from decode.speculative import (
-    SpeculativeOutput,
-    _crop,
-    _forward,
-    _prefill,
-    _sync,
-    _vocab_size,
-    speculative_generate,
-    target_generate,
-)
+from decode.model_calls import crop, forward, prefill, sync, vocab_size_of
+from decode.speculative import SpeculativeOutput, speculative_generate, target_generate
 
 
 @dataclass
@@ -57,17 +49,17 @@ TARGET_ENGINES = ("hf", "loop")
 @torch.inference_mode()
 def forward_seconds(model, input_ids: torch.Tensor, repeats: int = 5) -> float:
     """Median seconds of one cached 1-token forward of ``model`` after prefilling ``input_ids`` ``(1, L)``."""
-    cache = _prefill(model, input_ids)
+    cache = prefill(model, input_ids)
     last = input_ids[:, -1:].to(model.device)
     times = []
     for i in range(repeats + 1):  # the first call warms up and is not counted
-        _sync(model.device)
+        sync(model.device)
         start = time.perf_counter()
-        _forward(model, last, cache, last_only=True)
-        _sync(model.device)
+        forward(model, last, cache, last_only=True)
+        sync(model.device)
         if i:
             times.append(time.perf_counter() - start)
-        _crop(cache, input_ids.shape[1] - 1)
+        crop(cache, input_ids.shape[1] - 1)
     return statistics.median(times)
 
 
@@ -118,19 +110,19 @@ def measure_verify_costs(target, prompts_ids: Sequence[Sequence[int]], max_token
     totals = [0.0] * max_tokens
     for ids in prompts_ids:
         input_ids = torch.tensor([list(ids)], device=target.device)
-        cache = _prefill(target, input_ids)
+        cache = prefill(target, input_ids)
         base = input_ids.shape[1] - 1
         for n in range(1, max_tokens + 1):
             block = input_ids[:, -1:].repeat(1, n)
             times = []
             for i in range(repeats + 1):  # the first call warms up
-                _sync(target.device)
+                sync(target.device)
                 start = time.perf_counter()
-                _forward(target, block, cache)
-                _sync(target.device)
+                forward(target, block, cache)
+                sync(target.device)
                 if i:
                     times.append(time.perf_counter() - start)
-                _crop(cache, base)
+                crop(cache, base)
             totals[n - 1] += statistics.median(times)
     return [t / totals[0] for t in totals]
 
@@ -175,19 +167,19 @@ hf_logging.get_logger("transformers.generation.utils").addFilter(_drop_assistant
 @torch.inference_mode()
 def _hf_target_generate(target, input_ids, **decode_args) -> tuple[torch.Tensor, float]:
     """The target alone through transformers' ``generate``; returns (new tokens, wall seconds)."""
-    _sync(target.device)
+    sync(target.device)
     start = time.perf_counter()
     output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **_hf_kwargs(**decode_args))
-    _sync(target.device)
+    sync(target.device)
     return output[0, input_ids.shape[1]:], time.perf_counter() - start
 
 
 @torch.inference_mode()  # as inside generate: with autograd recording, a float32 CPU prefill costs ~3x
 def _prefill_seconds(model, input_ids) -> float:
-    _sync(model.device)
+    sync(model.device)
     start = time.perf_counter()
-    _prefill(model, input_ids)
-    _sync(model.device)
+    prefill(model, input_ids)
+    sync(model.device)
     return time.perf_counter() - start
 
 
@@ -212,11 +204,11 @@ def _hf_assisted_generate(target, drafter, input_ids, *, draft_length=None, sche
         kwargs["stopping_criteria"] = StoppingCriteriaList(
             [StopStringCriteria(kwargs.pop("tokenizer"), kwargs.pop("stop_strings"))])
     try:
-        _sync(target.device)
+        sync(target.device)
         start = time.perf_counter()
         output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
                                  **assisted, **kwargs)
-        _sync(target.device)
+        sync(target.device)
         seconds = time.perf_counter() - start
     finally:
         drafter.generation_config = saved
@@ -483,7 +475,7 @@ def benchmark(
     if schedule not in ("constant", "heuristic", "auto"):
         raise ValueError(f"unknown schedule {schedule!r}: choose constant, heuristic or auto")
     device, greedy = target.device, temperature == 0
-    vocab = min(_vocab_size(target), _vocab_size(drafter))
+    vocab = min(vocab_size_of(target), vocab_size_of(drafter))
     decode_args = dict(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, temperature=temperature,
                        top_k=top_k, top_p=top_p, stop_strings=stop_strings, tokenizer=tokenizer)
     notes = []
@@ -511,12 +503,12 @@ def benchmark(
         target_outputs = run_target_alone(target, prompts, **decode_args, seed=seed, vocab_size=vocab,
                                           engine=target_engine, progress=progress)
     hf_drafter = drafter if hf_drafter is None else hf_drafter
-    if hf_assisted and _vocab_size(target) != _vocab_size(hf_drafter):
+    if hf_assisted and vocab_size_of(target) != vocab_size_of(hf_drafter):
         # transformers 5 takes a different vocabulary size for a different tokenizer and then
         # requires `tokenizer`/`assistant_tokenizer` (universal assisted decoding), not comparable.
         hf_assisted = False
         notes.append(f"HF assisted generation skipped: vocabulary sizes differ "
-                     f"({_vocab_size(target)} vs {_vocab_size(hf_drafter)}), which transformers treats as "
+                     f"({vocab_size_of(target)} vs {vocab_size_of(hf_drafter)}), which transformers treats as "
                      f"different tokenizers")
         warnings.warn(notes[-1], stacklevel=2)
     hf_args = dict(draft_length=draft_length, schedule=schedule, confidence_threshold=confidence_threshold)

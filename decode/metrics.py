@@ -171,22 +171,6 @@ def theoretical_speedup(alpha: float, draft_length: int, cost_ratio: float) -> f
     return expected_tokens_per_forward(alpha, draft_length) / (draft_length * cost_ratio + 1.0)
 
 
-def best_draft_length(alpha: float, cost_ratio: float, max_k: int = 16) -> int:
-    """The K in 1..max_k that maximises ``theoretical_speedup`` (smallest K on ties).
-
-    Compare ``theoretical_speedup(alpha, K, c)`` with 1 to know whether
-    speculating pays at all.
-
-    Raises:
-        ValueError: max_k < 1 or other arguments out of range.
-    """
-    if max_k < 1:
-        raise ValueError(f"max_k must be >= 1, got {max_k}")
-    speedups = [theoretical_speedup(alpha, k, cost_ratio) for k in range(1, max_k + 1)]
-    return 1 + max(range(max_k), key=lambda i: (speedups[i], -i))
-
-
-
 def verify_cost_at(verify_costs: Sequence[float] | None, draft_length: int) -> float:
     """Cost of verifying K + 1 tokens in 1-token target forwards, from ``verify_costs[n - 1]`` (n tokens,
     as ``decode.benchmark.measure_verify_costs`` measures them); beyond the list, extended linearly from its

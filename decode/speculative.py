@@ -16,8 +16,6 @@ pending token at the next block's first drafter forward.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from decode.draft_length import make_schedule
+from decode.model_calls import crop, forward, prefill, sync, vocab_size_of
 from decode.metrics import DecodeStats
 from decode.prompt_lookup import PromptLookupDrafter
 from decode.sampling import check_sampling_args, greedy_accept, process_logits, sample, speculative_accept
@@ -46,51 +45,11 @@ class SpeculativeOutput:
     stats: DecodeStats
 
 
-def _vocab_size(model) -> int:
-    return model.config.get_text_config().vocab_size
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_parameters(model_class: type) -> frozenset[str]:
-    return frozenset(inspect.signature(model_class.forward).parameters)
-
-
-def _forward(model, input_ids: torch.Tensor, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
-    """One cached forward of ``input_ids`` ``(1, n)`` -> logits ``(n, V)`` (``(1, V)`` if last_only)."""
-    parameters = _forward_parameters(type(model))
-    # transformers 5.x renames `past_key_values` to `cache` (the old name goes in 5.40).
-    kwargs = {"cache" if "cache" in parameters else "past_key_values": cache, "use_cache": True}
-    if last_only and "logits_to_keep" in parameters:
-        kwargs["logits_to_keep"] = 1
-    logits = model(input_ids=input_ids, **kwargs).logits[0]
-    return logits[-1:] if last_only else logits
-
-
-def _crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions of ``cache`` (no-op if it holds no more)."""
-    excess = cache.get_seq_length() - length
-    if excess > 0:
-        cache.crop(-excess)  # transformers 5.x: negative = tokens to remove; positive raises
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _check_args(input_ids: torch.Tensor, max_new_tokens: int) -> None:
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must have shape (1, prompt_len >= 1), got {tuple(input_ids.shape)}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-
-
-def _prefill(model, prompt: torch.Tensor) -> DynamicCache:
-    """A cache holding all prompt tokens but the last; ``prompt`` is ``(1, L)``."""
-    cache = DynamicCache()
-    if prompt.shape[1] > 1:
-        _forward(model, prompt[:, :-1].to(model.device), cache, last_only=True)
-    return cache
 
 
 def draw_draft(logits: torch.Tensor, vocab: int, greedy: bool, probs_of, generator,
@@ -110,7 +69,7 @@ def _draft(drafter, cache: DynamicCache, seq: list[int], k: int, vocab: int, dev
     draft_input = torch.tensor([seq[cache.get_seq_length():]], device=drafter.device)
     draft_tokens, draft_probs = [], []
     for _ in range(k):
-        logits = _forward(drafter, draft_input, cache, last_only=True).to(device)
+        logits = forward(drafter, draft_input, cache, last_only=True).to(device)
         token = draw_draft(logits, vocab, greedy, probs_of, generator, draft_probs)
         draft_tokens.append(token)
         draft_input = token.view(1, 1).to(drafter.device)
@@ -194,15 +153,15 @@ def speculative_generate(
     check_sampling_args(temperature, top_k, top_p)
     device, greedy, eos = target.device, temperature == 0, set(eos_token_ids)
     lookup = isinstance(drafter, PromptLookupDrafter)
-    vocab = _vocab_size(target) if lookup else min(_vocab_size(target), _vocab_size(drafter))
+    vocab = vocab_size_of(target) if lookup else min(vocab_size_of(target), vocab_size_of(drafter))
     stats = DecodeStats(draft_length=draft_length)
 
     def probs_of(logits):  # (n, V_model) -> float32 (n, vocab)
         return process_logits(logits[:, :vocab], temperature, top_k, top_p)
 
     start = time.perf_counter()
-    target_cache, draft_cache = _prefill(target, input_ids), None if lookup else _prefill(drafter, input_ids)
-    _sync(device)
+    target_cache, draft_cache = prefill(target, input_ids), None if lookup else prefill(drafter, input_ids)
+    sync(device)
     stats.prefill_s = time.perf_counter() - start
     start = time.perf_counter()
 
@@ -222,7 +181,7 @@ def speculative_generate(
 
         # 2. Verify [last token, d_1..d_k] in one target forward: k+1 next-token distributions.
         verify_input = torch.cat([torch.tensor(seq[-1:], device=device), draft_tokens]).unsqueeze(0)
-        target_logits = _forward(target, verify_input, target_cache)
+        target_logits = forward(target, verify_input, target_cache)
         stats.target_forwards += 1
         if greedy:
             num_accepted, next_token = greedy_accept(target_logits[:, :vocab].argmax(-1), draft_tokens)
@@ -248,13 +207,13 @@ def speculative_generate(
         stats.drafted_per_block.append(k)
 
         # 4. Roll back: both caches keep at most seq[:-1] (rejected drafts are dropped).
-        _crop(target_cache, len(seq) - 1)
+        crop(target_cache, len(seq) - 1)
         if draft_cache is not None:
-            _crop(draft_cache, len(seq) - 1)
+            crop(draft_cache, len(seq) - 1)
         if stop is not None:
             break
 
-    _sync(device)
+    sync(device)
     stats.decode_s = time.perf_counter() - start
     stats.new_tokens = len(seq) - prompt_len
     return SpeculativeOutput(torch.tensor(seq[prompt_len:], dtype=torch.long, device=device), stats)
@@ -302,19 +261,19 @@ def target_generate(
     check_sampling_args(temperature, top_k, top_p)
     stopper = StopStrings(stop_strings, tokenizer)
     device, eos = target.device, set(eos_token_ids)
-    vocab = vocab_size or _vocab_size(target)
+    vocab = vocab_size or vocab_size_of(target)
     stats = DecodeStats(draft_length=0)
 
     start = time.perf_counter()
-    cache = _prefill(target, input_ids)
-    _sync(device)
+    cache = prefill(target, input_ids)
+    sync(device)
     stats.prefill_s = time.perf_counter() - start
     start = time.perf_counter()
 
     token = input_ids[:, -1:].to(device)
     new_tokens, host_tokens = [], []
     for _ in range(max_new_tokens):
-        logits = _forward(target, token, cache, last_only=True)[:, :vocab]
+        logits = forward(target, token, cache, last_only=True)[:, :vocab]
         token = logits.argmax(-1) if temperature == 0 else sample(
             process_logits(logits, temperature, top_k, top_p), generator)
         new_tokens.append(token)
@@ -325,7 +284,7 @@ def target_generate(
             if host_tokens[-1] in eos or stopper.first_stop(host_tokens, len(host_tokens) - 1) is not None:
                 break
 
-    _sync(device)
+    sync(device)
     stats.decode_s = time.perf_counter() - start
     stats.new_tokens = len(new_tokens)
     stats.accepted_per_block = [0] * len(new_tokens)

@@ -18,11 +18,8 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from decode.model_calls import vocab_size_of
 from decode.sampling import process_logits
-
-
-def _vocab_size(model) -> int:
-    return model.config.get_text_config().vocab_size
 
 
 def _by_length(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
@@ -117,7 +114,7 @@ def drafter_predictions(drafter, prompts: Sequence[Sequence[int]], answers: Sequ
     """
     if len(prompts) != len(answers) or any(len(p) == 0 for p in prompts):
         raise ValueError("drafter_predictions needs one answer per prompt and prompts of at least one token")
-    vocab = vocab_size or _vocab_size(drafter)
+    vocab = vocab_size or vocab_size_of(drafter)
     results: list = [None] * len(prompts)
     lengths = [len(p) + len(a) for p, a in zip(prompts, answers)]
     batches = _by_length(lengths, batch_tokens, max_rows=64)
@@ -147,7 +144,7 @@ def sampling_betas(target, drafter, prompts: Sequence[Sequence[int]], answers: S
         raise ValueError("sampling_betas needs temperature > 0")
     if len(prompts) != len(answers):
         raise ValueError("sampling_betas needs one answer per prompt")
-    vocab = min(_vocab_size(target), _vocab_size(drafter))
+    vocab = min(vocab_size_of(target), vocab_size_of(drafter))
     results: list = [None] * len(prompts)
     batches = _by_length([len(p) + len(a) for p, a in zip(prompts, answers)], batch_tokens, max_rows=16)
     for rows in tqdm(batches, desc="teacher-forced betas", unit="batch", disable=not progress):

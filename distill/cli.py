@@ -31,7 +31,7 @@ from distill.tracking import check_logger
 _ROOT_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONF_DIR = _ROOT_CONF if _ROOT_CONF.is_dir() else Path(__file__).resolve().parent / "conf"
 
-USAGE = f"""usage: draftsmith <stage> [key=value ...] [-m key=a,b ...] [--help] [--cfg job]   (draftsmith --version)
+USAGE = """usage: draftsmith <stage> [key=value ...] [-m key=a,b ...] [--help] [--cfg job]   (draftsmith --version)
 
 stages:
   generate   the target answers training prompts (a datasets dataset on disk)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from distill.errors import ConfigError
 from distill.hardware import auto_dtype  # noqa: F401 (config's `auto`, re-exported)

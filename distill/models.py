@@ -483,7 +483,6 @@ def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None 
     Raises:
         ConfigError: unknown dtype. Plus whatever ``resolve_model`` raises.
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _parse_dtype(dtype)

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from distill.config import Config
 from distill.errors import ConfigError
-from distill.evaluate import REPORT_JSON, REPORT_MD, run_evaluate
+from distill.evaluate import REPORT_MD, run_evaluate
 from distill.export import EXPORT_DIR, check_export_destination, run_export
 from distill.generate import run_generate
 from distill.models import resolve_model

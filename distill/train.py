@@ -48,7 +48,7 @@ from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out
 from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
 from distill.hardware import resolve_mixed_precision
 from distill.reduced_vocab import draft_vocabulary_of, restrict_logits
-from distill.rundir import human_bytes, make_shareable, require_free_space
+from distill.rundir import human_bytes, make_shareable, require_free_space, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -756,7 +756,7 @@ def _restart_metrics(output_dir: Path, start_step: int, write: bool = True) -> l
             if line.strip() and json.loads(line).get("step", 0) <= start_step:
                 kept.append(line)
     if write:
-        _atomic_write_text(path, "".join(line + "\n" for line in kept))
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
     return [json.loads(line)["loss"] for line in kept]
 
 
@@ -768,7 +768,7 @@ def _restart_jsonl(path: Path, start_step: int, write: bool = True) -> None:
     if start_step > 0 and path.exists():
         kept = [line for line in path.read_text(encoding="utf-8").splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= start_step]
-    _atomic_write_text(path, "".join(line + "\n" for line in kept))
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def _prefixed(metrics: dict, when: str) -> dict:
@@ -957,12 +957,6 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(decode(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 
 The target answers each held-out prompt of the generate runs (``eval_prompts.jsonl``) greedily; each
 drafter variant then reads the prompt as the bundled decoder feeds a drafter (all tokens but the last in
-one forward, ``decode.speculative._prefill``, then one token at a time from its KV cache) and is scored
+one forward, ``decode.model_calls.prefill``, then one token at a time from its KV cache) and is scored
 by **top-1 agreement** (its argmax is the target's next token: what greedy speculative decoding accepts
 on) per prompt category, with the median cost of a 1-token forward (ms) and of the prompt forward (ms per
 prompt). Variants: the drafter in ``--dtype``; torch's own dynamic int8 (weights and activations per
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,8 @@ import torch
 from tqdm import tqdm
 
 from decode.quantization import PerTokenDynamicLinear, quantize_drafter
-from decode.speculative import _forward, _prefill, target_generate
+from decode.model_calls import forward, prefill
+from decode.speculative import target_generate
 from distill.config import auto_dtype
 from distill.errors import DraftsmithError
 from distill.generate import load_generated
@@ -58,12 +58,12 @@ def score(model, answers: list[dict]) -> dict:
     step_ms, prompt_ms = [], []
     for answer in answers:
         start = time.perf_counter()
-        cache = _prefill(model, torch.tensor([answer["prompt"]]))  # the decoder's own prompt forward
+        cache = prefill(model, torch.tensor([answer["prompt"]]))  # the decoder's own prompt forward
         prompt_ms.append((time.perf_counter() - start) * 1000)
         predicted = []
         for token in answer["prompt"][-1:] + answer["answer"][:-1]:
             start = time.perf_counter()
-            logits = _forward(model, torch.tensor([[token]]), cache, last_only=True)
+            logits = forward(model, torch.tensor([[token]]), cache, last_only=True)
             step_ms.append((time.perf_counter() - start) * 1000)
             predicted.append(int(logits.argmax()))
         hits.setdefault(answer["category"], []).extend(float(p == t) for p, t in zip(predicted, answer["answer"]))

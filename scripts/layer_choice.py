@@ -14,7 +14,6 @@ bound) and the loss. Prints a Markdown table, best agreement first, and writes i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

@@ -91,7 +91,7 @@ def test_the_loop_costs_little_beyond_its_forwards(monkeypatch):
     target = tiny_model(4, seed=0)
     drafter = copy.deepcopy(target)
     forward_s = 0.0
-    original = speculative._forward
+    original = speculative.forward
 
     def timed(model, input_ids, cache, last_only=False):
         nonlocal forward_s
@@ -100,7 +100,7 @@ def test_the_loop_costs_little_beyond_its_forwards(monkeypatch):
         forward_s += time.perf_counter() - start
         return logits
 
-    monkeypatch.setattr(speculative, "_forward", timed)
+    monkeypatch.setattr(speculative, "forward", timed)
     prompt = torch.tensor([PROMPTS[2]])
     speculative_generate(target, drafter, prompt, draft_length=4, max_new_tokens=8, eos_token_ids=[])  # warm-up
     ratios = []
@@ -130,13 +130,13 @@ def test_the_target_alone_baseline_times_its_prefill_without_autograd(monkeypatc
     import decode.benchmark as benchmark
 
     modes = []
-    real = benchmark._prefill
+    real = benchmark.prefill
 
     def spy(model, ids):
         modes.append(torch.is_inference_mode_enabled() or not torch.is_grad_enabled())
         return real(model, ids)
 
-    monkeypatch.setattr(benchmark, "_prefill", spy)
+    monkeypatch.setattr(benchmark, "prefill", spy)
     model = tiny_model(num_layers=2, seed=0)
     prompts = [("p0", "code", PROMPTS[0])]
     outputs = benchmark.run_target_alone(model, prompts, max_new_tokens=4, eos_token_ids=[], engine="hf",

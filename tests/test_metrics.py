@@ -2,7 +2,7 @@
 
 import pytest
 
-from decode.metrics import DecodeStats, best_draft_length, expected_tokens_per_forward, theoretical_speedup
+from decode.metrics import DecodeStats, expected_tokens_per_forward, theoretical_speedup
 
 
 @pytest.fixture
@@ -90,12 +90,7 @@ def test_theoretical_speedup_rejects_bad_arguments(args):
         theoretical_speedup(*args)
 
 
-def test_best_draft_length():
+def test_theoretical_speedup_peaks_at_an_interior_k():
     # alpha 0.8, c 0.1, K = 5, 6, 7: 3.68928 / 1.5, 3.951424 / 1.6, 4.1611392 / 1.7
     speedups = [theoretical_speedup(0.8, k, 0.1) for k in (5, 6, 7)]
     assert speedups == pytest.approx([2.45952, 2.46964, 2.447729], abs=1e-5)
-    assert best_draft_length(0.8, 0.1) == 6
-    assert best_draft_length(1.0, 0.0, max_k=9) == 9  # perfect, free drafter: as long as allowed
-    assert best_draft_length(0.0, 0.1) == 1  # useless drafter: shortest
-    with pytest.raises(ValueError):
-        best_draft_length(0.5, 0.1, max_k=0)
