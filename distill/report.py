@@ -269,9 +269,17 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
     import matplotlib.pyplot as plt
 
     folder = Path(folder)
-    written = []
     base = report.get("baseline_drafter") or {}
 
+    plots = [plot(plt, report, base, folder) for plot in (_plot_acceptance_by_position, _plot_tokens_per_s,
+                                                        _plot_speedup_vs_k, _plot_expected_vs_measured,
+                                                        _plot_simulated_vs_k)]
+    plots.append(_plot_training(plt, report, base, folder, training_metrics))
+    return [path for path in plots if path is not None]
+
+
+def _plot_acceptance_by_position(plt, report: dict[str, Any], base: dict[str, Any], folder: Path) -> Path | None:
+    """One plot of :func:`write_report_plots` into ``folder``; its path, or None when the report lacks its figures."""
     pos = report.get("per_position_acceptance") or []
     if pos:
         fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -285,10 +293,15 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
                title=f"Acceptance by position, K = {report.get('draft_length')}")
         ax.legend()
         fig.tight_layout()
-        written.append(folder / "acceptance_by_position.png")
-        fig.savefig(written[-1], dpi=120)
+        path = folder / "acceptance_by_position.png"
+        fig.savefig(path, dpi=120)
         plt.close(fig)
+        return path
+    return None
 
+
+def _plot_tokens_per_s(plt, report: dict[str, Any], base: dict[str, Any], folder: Path) -> Path | None:
+    """One plot of :func:`write_report_plots` into ``folder``; its path, or None when the report lacks its figures."""
     hf = (report.get("baselines") or {}).get("hf_assisted") or {}
     bars = [("target alone", report.get("target_tokens_per_s")), ("HF assisted\n(distilled)", hf.get("tokens_per_s")),
             ("ours\n(undistilled)", base.get("speculative_tokens_per_s")),
@@ -301,10 +314,15 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
         ax.bar([b[0] for b in bars], [b[1] for b in bars], color=["grey"] + ["C0"] * (len(bars) - 1))
         ax.set(ylabel="decode tokens/s", title="Decoding speed on held-out prompts")
         fig.tight_layout()
-        written.append(folder / "tokens_per_s.png")
-        fig.savefig(written[-1], dpi=120)
+        path = folder / "tokens_per_s.png"
+        fig.savefig(path, dpi=120)
         plt.close(fig)
+        return path
+    return None
 
+
+def _plot_speedup_vs_k(plt, report: dict[str, Any], base: dict[str, Any], folder: Path) -> Path | None:
+    """One plot of :func:`write_report_plots` into ``folder``; its path, or None when the report lacks its figures."""
     curves = [(label, (r.get("draft_length_choice") or {}).get("expected_speedup_by_k"), r)
               for label, r in (("undistilled", base), ("distilled", report))]
     curves = [(label, by_k, r) for label, by_k, r in curves if by_k]
@@ -321,10 +339,15 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
                title="Speedup vs K (simulated acceptance, measured c, verify cost)")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        written.append(folder / "speedup_vs_k.png")
-        fig.savefig(written[-1], dpi=120)
+        path = folder / "speedup_vs_k.png"
+        fig.savefig(path, dpi=120)
         plt.close(fig)
+        return path
+    return None
 
+
+def _plot_expected_vs_measured(plt, report: dict[str, Any], base: dict[str, Any], folder: Path) -> Path | None:
+    """One plot of :func:`write_report_plots` into ``folder``; its path, or None when the report lacks its figures."""
     val = report.get("distill_validation") or {}
     if val.get("val_expected_acceptance_after") is not None:
         fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -344,10 +367,15 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
                title="Expected vs measured acceptance")
         ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
-        written.append(folder / "expected_vs_measured_acceptance.png")
-        fig.savefig(written[-1], dpi=120)
+        path = folder / "expected_vs_measured_acceptance.png"
+        fig.savefig(path, dpi=120)
         plt.close(fig)
+        return path
+    return None
 
+
+def _plot_simulated_vs_k(plt, report: dict[str, Any], base: dict[str, Any], folder: Path) -> Path | None:
+    """One plot of :func:`write_report_plots` into ``folder``; its path, or None when the report lacks its figures."""
     simulated = simulated_drafters(report)
     if simulated:
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -364,10 +392,15 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
         ax2.set(xlabel="draft length K", ylabel="predicted speedup", ylim=(0, None), title="with measured c, verify cost")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        written.append(folder / "simulated_vs_k.png")
-        fig.savefig(written[-1], dpi=120)
+        path = folder / "simulated_vs_k.png"
+        fig.savefig(path, dpi=120)
         plt.close(fig)
+        return path
+    return None
 
+
+def _plot_training(plt, report: dict[str, Any], base: dict[str, Any], folder: Path, training_metrics) -> Path | None:
+    """One plot of :func:`write_report_plots` into ``folder``; its path, or None when the report lacks its figures."""
     if training_metrics is not None and Path(training_metrics).is_file():
         import json
 
@@ -396,10 +429,11 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
             handles = ax.get_lines() + ax2.get_lines()
             ax.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize=8)
             fig.tight_layout()
-            written.append(folder / "training.png")
-            fig.savefig(written[-1], dpi=120)
+            path = folder / "training.png"
+            fig.savefig(path, dpi=120)
             plt.close(fig)
-    return written
+            return path
+    return None
 
 
 def _ratio(a: Any, b: Any) -> float | None:
