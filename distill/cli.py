@@ -58,12 +58,12 @@ def run_stage(cfg: DictConfig, run_dir: Path) -> float | None:
     check_logger(config.logger)  # wandb online without a key: refused now, not after the models load
     # Imported here so that `--help` and config errors stay fast.
     if config.stage == "generate":
-        from distill.generate import run_generate
+        from distill.stages.generate import run_generate
 
         run_generate(config, run_dir, config_yaml)
         return None
     if config.stage == "distill":
-        from distill.train_stage import run_distill
+        from distill.stages.distill import run_distill
 
         finished = run_distill(config, run_dir, config_yaml)
         if finished != run_dir:  # an earlier run already did it
@@ -73,27 +73,27 @@ def run_stage(cfg: DictConfig, run_dir: Path) -> float | None:
                 _remove_if_unused(run_dir, config.stage)
         return None
     if config.stage == "evaluate":
-        from distill.evaluate import run_evaluate
+        from distill.stages.evaluate import run_evaluate
 
         report = run_evaluate(config, run_dir, config_yaml)
         print(report)
         return _speedup(report)
     if config.stage == "gather":
-        from distill.gather import run_gather
+        from distill.stages.gather import run_gather
 
         print(run_gather(config, run_dir, config_yaml))
         return None
     if config.stage == "check":
-        from distill.check import run_check
+        from distill.stages.check import run_check
 
         print(run_check(config, run_dir, config_yaml))
         return None
     if config.stage == "export":
-        from distill.export import run_export
+        from distill.stages.export import run_export
 
         print(run_export(config, run_dir, config_yaml))
         return None
-    from distill.pipeline import run_pipeline
+    from distill.stages.pipeline import run_pipeline
 
     report = run_pipeline(config, run_dir, config_yaml)
     print(report)
@@ -136,7 +136,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     except DraftsmithError as err:
         kind = "config error" if isinstance(err, ConfigError) else "error"
         if _in_sweep():  # a sweep's job: `gather` shows why it failed
-            from distill.gather import ERROR_FILE
+            from distill.stages.gather import ERROR_FILE
 
             write_text_atomic(run_dir / ERROR_FILE, f"{kind}: {err}\n")
         else:
@@ -150,7 +150,7 @@ def _distill_in_all_processes(share: Callable[[], tuple] | None) -> None:
     and config text (``share``, run inside Hydra); the others (``share=None``) never run Hydra, so they
     make no run folder of their own, and train in the main process's."""
     config, run_dir, config_yaml = parallel.from_main(share)
-    from distill.train_stage import run_distill
+    from distill.stages.distill import run_distill
 
     run_distill(config, run_dir, config_yaml)
 

@@ -4,7 +4,7 @@ A launcher starts the same command N times (``WORLD_SIZE=N``). Only the main pro
 through Hydra: it alone picks (or, with ``distill.resume=auto``, continues) the run folder, takes the
 run's lock, writes the manifest, the merged drafter and the logger's output. It joins the others
 over ``torch.distributed`` first (accelerate's ``PartialState``: gloo on CPU with
-``ACCELERATE_USE_CPU=1``, nccl on GPUs; the ``Accelerator`` in :func:`distill.train.train_drafter`
+``ACCELERATE_USE_CPU=1``, nccl on GPUs; the ``Accelerator`` in :func:`distill.training.loop.train_drafter`
 reuses that process group) and then *broadcasts* what the others need: the checked config, the
 run folder, the generate run read, the checkpoint to resume from (:func:`from_main`). A broadcast
 needs no clock agreement, no shared scratch file and no launcher-specific id, and it cannot pick up

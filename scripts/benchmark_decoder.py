@@ -28,8 +28,8 @@ from decode.cpu_linear import use_onednn_linear
 from decode.quantization import QUANTIZATIONS, drafter_for_decoding, quantize_drafter, resolve_quantization
 from distill.config import auto_dtype
 from distill.errors import DraftsmithError
-from distill.models import eos_token_ids, load_model
-from distill.prompts import encode_prompt, load_prompts, split_prompts
+from distill.models.loading import eos_token_ids, load_model
+from distill.data.prompts import encode_prompt, load_prompts, split_prompts
 from distill.rundir import write_json_atomic, write_text_atomic
 
 COLUMNS = ("| K | schedule | acceptance | tau | mean K | ours tok/s | HF assisted tok/s | ours / HF | speedup | "

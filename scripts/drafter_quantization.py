@@ -32,9 +32,9 @@ from decode.model_calls import forward, prefill
 from decode.speculative import target_generate
 from distill.config import auto_dtype
 from distill.errors import DraftsmithError
-from distill.generate import load_generated
-from distill.models import eos_token_ids, load_model
-from distill.prompts import encode_prompt
+from distill.stages.generate import load_generated
+from distill.models.loading import eos_token_ids, load_model
+from distill.data.prompts import encode_prompt
 from distill.rundir import write_json_atomic, write_text_atomic
 
 

@@ -3,8 +3,8 @@
     python scripts/layer_choice.py --generate outputs/generate/<run> \
         --layers 0,1,2,3 0,1,22,23 0,1,2,15,16,17,18,19,20,21,22,23 --even 4 12
 
-For each candidate it cuts the drafter's base model (``distill.drafters.cut_layers``, untrained) and scores
-it with ``distill.train.validate`` on the first ``--num-examples`` answers of a generate run that stored the
+For each candidate it cuts the drafter's base model (``distill.drafters.build.cut_layers``, untrained) and scores
+it with ``distill.training.loop.validate`` on the first ``--num-examples`` answers of a generate run that stored the
 target's top-k log-probabilities (``generate.store_top_k``): teacher-forced **top-1 agreement** (the
 drafter's argmax is the target's: what greedy decoding accepts on), 1 - TV on the stored top-k (an upper
 bound) and the loss. Prints a Markdown table, best agreement first, and writes it with the raw figures to
@@ -17,12 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from distill.drafters import cut_layers, describe_layers, select_layers
+from distill.drafters.build import cut_layers, describe_layers, select_layers
 from distill.errors import DraftsmithError
-from distill.generate import load_generated
-from distill.models import load_model
+from distill.stages.generate import load_generated
+from distill.models.loading import load_model
 from distill.rundir import write_json_atomic, write_text_atomic
-from distill.train import validate
+from distill.training.loop import validate
 
 
 def main() -> None:

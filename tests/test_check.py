@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill import check as check_module
+from distill.stages import check as check_module
 from distill.errors import ConfigError, TokenizerMismatchError
 from distill.rundir import COMPLETE
 from tests.test_config import _compose

@@ -232,7 +232,7 @@ def test_a_pipeline_given_a_run_refuses_settings_of_the_stage_it_skips(tmp_path,
 
 def test_dtype_auto_is_bfloat16_only_where_the_hardware_has_bf16_units(monkeypatch):
     import distill.hardware
-    import distill.models
+    import distill.models.loading
 
     monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: False)
     cfg = _compose()  # the shipped pair's yaml says dtype: auto
@@ -240,6 +240,6 @@ def test_dtype_auto_is_bfloat16_only_where_the_hardware_has_bf16_units(monkeypat
     monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: True)
     assert (_compose().target.dtype, _compose("drafter=pruned").drafter.dtype) == ("bfloat16", "bfloat16")
     assert _compose("target.dtype=float32").target.dtype == "float32"  # a named dtype is kept as given
-    assert distill.models._parse_dtype("auto") == torch.bfloat16
+    assert distill.models.loading._parse_dtype("auto") == torch.bfloat16
     with pytest.raises(ConfigError, match="target.dtype: must be one of"):
         _compose("target.dtype=fp8")

@@ -1,7 +1,7 @@
 """Data-parallel training: ``train_drafter`` on 2 CPU processes (DDP over gloo), and the real
 ``draftsmith distill`` command under ``torchrun --nproc_per_node 2``.
 
-Two spawned processes each call :func:`distill.train.train_drafter` on the same tiny random Qwen2
+Two spawned processes each call :func:`distill.training.loop.train_drafter` on the same tiny random Qwen2
 target and drafter (same seeds, so the same weights). A single-process run with twice the batch
 size sees, step by step, the union of the two ranks' batches (the example stream is sharded by
 whole batches: rank r gets batches r, r + 2, ...), so with gradients synchronised and the loss
@@ -49,8 +49,8 @@ def _examples() -> list[dict]:
 def _train(output_dir: Path, batch_size: int, max_steps: int = STEPS, resume_from: Path | None = None) -> dict:
     """Train a fresh tiny drafter against the tiny target, recording the first step's gradients and the
     examples each micro-batch held. Returns the recording, the final weights and the result dict."""
-    from distill import train
-    from distill.tiny import tiny_model
+    from distill.training import loop as train
+    from distill.models.tiny import tiny_model
 
     record: dict = {"grads": None, "seen": []}
     adamw = torch.optim.AdamW
@@ -191,8 +191,8 @@ def test_ddp_resume_continues_as_uninterrupted(ddp_run):
 def test_launcher_processes_that_accelerate_does_not_join_are_refused(monkeypatch, tmp_path):
     # torchrun on a machine without a GPU and without ACCELERATE_USE_CPU=1: every process would train alone
     from distill.errors import DraftsmithError
-    from distill.tiny import tiny_model
-    from distill.train import train_drafter
+    from distill.models.tiny import tiny_model
+    from distill.training.loop import train_drafter
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")

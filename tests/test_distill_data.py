@@ -10,11 +10,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from distill.config import DistillConfig
-from distill.drafters import build_drafter
+from distill.drafters.build import build_drafter
 from distill.errors import ConfigError
-from distill.generate import answer_batch
-from distill.losses import divergence_from_log_probs, per_token_divergence, top_k_distillation_loss, top_k_log_probs
-from distill.train import LossSpec, _loss_step, collate, train_drafter
+from distill.stages.generate import answer_batch
+from distill.training.losses import divergence_from_log_probs, per_token_divergence, top_k_distillation_loss, top_k_log_probs
+from distill.training.loop import LossSpec, _loss_step, collate, train_drafter
 
 from tests.test_pipeline import draftsmith
 
@@ -188,7 +188,7 @@ def _plain_examples(n=6):
 
 
 def test_on_policy_batches_are_the_drafters_own_samples(target, tmp_path, monkeypatch):
-    import distill.train as train_module
+    import distill.training.loop as train_module
 
     calls = []
     original = train_module._on_policy_batch
@@ -216,7 +216,7 @@ def test_on_policy_batches_are_the_drafters_own_samples(target, tmp_path, monkey
 
 def test_on_policy_answers_come_from_the_drafter():
     """At a near-zero sampling temperature the on-policy answers are the drafter's greedy answers."""
-    from distill.train import _on_policy_batch
+    from distill.training.loop import _on_policy_batch
 
     drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.2), init="sibling")
     examples = _plain_examples(2)
@@ -269,7 +269,7 @@ def test_stored_log_probs_through_the_cli(tmp_path):
 def test_stored_log_probs_with_a_reduced_vocabulary_match_the_online_restriction(target):
     """k = vocabulary: the stored path drops the tokens outside the draft vocabulary and renormalises the
     target exactly as the online path's EAGLE-3 restriction does; acceptance counts that mass as rejected."""
-    from distill.reduced_vocab import reduce_vocabulary
+    from distill.models.reduced_vocab import reduce_vocabulary
 
     examples = _stored_examples(target, k=VOCAB)
     drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling").eval()
@@ -306,7 +306,7 @@ def test_out_of_memory_is_recognised_with_the_size_asked(error, asked):
 
 
 def test_out_of_memory_in_a_step_says_what_to_lower(target, tmp_path, monkeypatch):
-    import distill.train as train_module
+    import distill.training.loop as train_module
     from distill.errors import OutOfMemoryError
 
     real = train_module._loss_step
@@ -330,7 +330,7 @@ def test_out_of_memory_in_a_step_says_what_to_lower(target, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("kind", KINDS + ("ce",))
 def test_stored_log_probs_and_a_reduced_vocabulary_train_with_finite_gradients(target, kind):
-    from distill.reduced_vocab import reduce_vocabulary
+    from distill.models.reduced_vocab import reduce_vocabulary
 
     examples = _stored_examples(target, k=16)
     drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")

@@ -1,10 +1,10 @@
-"""Drafter construction (distill/drafters.py) on tiny random Qwen2 models."""
+"""Drafter construction (distill/drafters/build.py) on tiny random Qwen2 models."""
 
 import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from distill.drafters import (LoraSettings, build_drafter, count_parameters, describe_layers, merge_drafter,
+from distill.drafters.build import (LoraSettings, build_drafter, count_parameters, describe_layers, merge_drafter,
                               select_layers)
 
 VOCAB = 300

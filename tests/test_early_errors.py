@@ -6,7 +6,7 @@ import pytest
 
 from distill.config import LoggerConfig
 from distill.errors import ConfigError, PromptError
-from distill.prompts import load_prompts
+from distill.data.prompts import load_prompts
 from distill.tracking import check_logger
 from tests.test_config import cli
 

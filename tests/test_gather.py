@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from distill.errors import DraftsmithError
-from distill.gather import collect, find_sweep
+from distill.stages.gather import collect, find_sweep
 from tests.test_pipeline import draftsmith
 
 
@@ -53,7 +53,7 @@ def test_unfinished_jobs_are_listed_and_bad_folders_refused(tmp_path):
 
 
 def test_distill_jobs_reused_runs_failed_and_missing_jobs_are_told_apart(tmp_path):
-    from distill.gather import render
+    from distill.stages.gather import render
 
     sweep = tmp_path / "sweep"
     done = tmp_path / "distill" / "run"  # a finished distill run, found by the second job

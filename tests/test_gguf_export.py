@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from distill.gguf_export import export_gguf
-from distill.tiny import tiny_model, tiny_tokenizer
+from distill.models.gguf import export_gguf
+from distill.models.tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Exact checks of the distillation losses (distill/losses.py)."""
+"""Exact checks of the distillation losses (distill/training/losses.py)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, per_token_divergence
+from distill.training.losses import LOSS_KINDS, distillation_loss, expected_acceptance, per_token_divergence
 
 B, T, V = 2, 5, 11
 

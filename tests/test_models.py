@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from distill import models
+from distill.models import loading as models
 from distill.errors import ConfigError, DraftsmithError, ModelIntegrityError, ModelNotFoundError
-from distill.models import (
+from distill.models.loading import (
     SHIPPED,
     ResolvedModel,
     ShippedModel,
@@ -18,7 +18,7 @@ from distill.models import (
     resolve_model,
     tokenizers_compatible,
 )
-from distill.tiny import tiny_model, tiny_tokenizer
+from distill.models.tiny import tiny_model, tiny_tokenizer
 
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
 
@@ -160,7 +160,7 @@ def write_tiny_gguf(path, seed=5):
     """A real (fp32) qwen2 GGUF of the tiny drafter, with the tiny tokenizer: ~290 KB."""
     import gguf
 
-    from distill.tiny import CHAT_TEMPLATE
+    from distill.models.tiny import CHAT_TEMPLATE
 
     model, tok = tiny_model("drafter", seed=seed), tiny_tokenizer()
     c = model.config
@@ -364,7 +364,7 @@ def test_eos_ids_include_chat_end_tokens():
 
 @pytest.mark.real
 def test_real_qwen05_resolves_loads_and_generates():
-    from distill.prompts import encode_prompt, load_prompts
+    from distill.data.prompts import encode_prompt, load_prompts
 
     resolved = resolve_model(QWEN05)  # converts on the first run on a machine (~1 min)
     assert resolved.source == "shipped" and resolved.fingerprint == SHIPPED[QWEN05].sha256

@@ -96,7 +96,7 @@ def test_export_loads_with_from_pretrained(tiny_run):
 
 
 def test_the_model_card_says_when_its_speedups_are_not_to_be_trusted():
-    from distill.export import model_card
+    from distill.stages.export import model_card
 
     info = {"target_name": "t", "base_name": "b", "init": "sibling", "method": "lora", "loss": "fkl",
             "target_fingerprint": "f"}
@@ -114,7 +114,7 @@ def test_the_model_card_says_when_its_speedups_are_not_to_be_trusted():
 
 def test_export_works_as_transformers_assistant_model(tiny_run):
     """The exported folder as ``assistant_model`` of the target in transformers: output identical to plain greedy."""
-    from distill.models import load_model
+    from distill.models.loading import load_model
 
     root, proc = tiny_run
     exported = Path(proc.stdout.strip().splitlines()[-1]).parent.parent / "export" / "drafter-hf"
@@ -182,7 +182,7 @@ def test_evaluate_on_a_named_prompt_file_counts_prompts_seen_in_training(tiny_ru
     """evaluate.prompts=<file>: its prompts replace the held-out ones; one that was trained on is counted."""
     from datasets import load_from_disk
 
-    from distill.prompts import load_prompts
+    from distill.data.prompts import load_prompts
     root, pipeline = tiny_run
     distill_run = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "distill"
     trained_id = load_from_disk(str(distill_run.parent / "generate" / "dataset"))["prompt_id"][0]
@@ -285,7 +285,7 @@ def test_export_never_replaces_a_run_folders_files(tiny_run, tmp_path, monkeypat
     assert {p.name: p.read_bytes() for p in drafter.iterdir() if p.is_file()} == before
     # a destination this user may not write to is refused with a message, before any work (checked in-process:
     # root, as CI runs, may write anywhere)
-    from distill import export as export_module
+    from distill.stages import export as export_module
     from distill.errors import DraftsmithError
 
     monkeypatch.setattr(export_module.os, "access", lambda path, mode: False)
@@ -509,9 +509,9 @@ def test_distill_adds_the_examples_of_extra_generate_runs(tiny_run, tmp_path):
 
 
 def test_extra_generate_runs_with_another_top_k_are_cut_to_the_smaller_k(tmp_path):
-    from distill.generate import load_generated
-    from distill.training_data import training_examples
-    from distill.models import load_model
+    from distill.stages.generate import load_generated
+    from distill.data.training_data import training_examples
+    from distill.models.loading import load_model
 
     runs = {}
     for k, text in ((4, "apples"), (2, "pears")):
@@ -545,8 +545,8 @@ def test_pipeline_refuses_an_extra_generate_run_without_stored_log_probs(tiny_ru
 
 
 def test_max_prompt_tokens_passes_over_long_prompts(tmp_path):
-    from distill.models import load_model
-    from distill.prompts import Prompt, encode_prompt
+    from distill.models.loading import load_model
+    from distill.data.prompts import Prompt, encode_prompt
 
     _, tokenizer, _ = load_model("tiny-target")
     texts = [f"short prompt {i}" for i in range(6)] + [f"a long prompt {i} " + "word " * 100 for i in range(3)]
@@ -689,7 +689,7 @@ def test_distill_again_with_the_same_data_and_settings_does_not_train_again(tiny
 def test_held_out_prompts_of_another_generate_run_are_checked_against_the_training_data(tiny_run, tmp_path):
     """inputs.generate=<another run> for evaluate: its held-out prompts may be this drafter's training prompts."""
     from datasets import load_from_disk
-    from distill.prompts import load_prompts
+    from distill.data.prompts import load_prompts
 
     root, pipeline = tiny_run
     first = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent

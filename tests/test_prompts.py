@@ -4,10 +4,10 @@ from collections import Counter
 
 import pytest
 
-from distill import prompts as prompts_module
+from distill.data import prompts as prompts_module
 from distill.errors import ConfigError, PromptError
-from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
-from distill.tiny import tiny_tokenizer
+from distill.data.prompts import Prompt, encode_prompt, load_prompts, split_prompts
+from distill.models.tiny import tiny_tokenizer
 
 MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -268,14 +268,14 @@ def test_eval_split_is_stratified_by_source():
 
 
 def test_sharegpt_without_a_length_limit_is_warned_about(caplog):
-    from distill.generate import prompt_length_limit
+    from distill.stages.generate import prompt_length_limit
     from tests.test_config import _compose
 
-    with caplog.at_level("WARNING", logger="distill.generate"):
+    with caplog.at_level("WARNING", logger="distill.stages.generate"):
         assert prompt_length_limit(_compose("experiment=tiny", "data.source=sharegpt")) is None
     assert "data.max_prompt_tokens=512" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="distill.generate"):
+    with caplog.at_level("WARNING", logger="distill.stages.generate"):
         assert prompt_length_limit(_compose("experiment=tiny", "data.source=mtbench")) is None
         limited = prompt_length_limit(_compose("experiment=tiny", "data.source=sharegpt", "data.max_prompt_tokens=8"))
     assert caplog.text == ""

@@ -1,4 +1,4 @@
-"""EAGLE-3-style reduced draft vocabulary (distill/reduced_vocab.py) on tiny random Qwen2 models."""
+"""EAGLE-3-style reduced draft vocabulary (distill/models/reduced_vocab.py) on tiny random Qwen2 models."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from decode.quantization import PerTokenDynamicLinear, quantize_drafter
 from decode.sampling import process_logits
 from decode.speculative import speculative_generate, target_generate
 from distill.config import DrafterConfig
-from distill.drafters import LoraSettings, build_drafter, merge_drafter
+from distill.drafters.build import LoraSettings, build_drafter, merge_drafter
 from distill.errors import ConfigError
-from distill.reduced_vocab import (
+from distill.models.reduced_vocab import (
     DRAFT_VOCAB_FILE,
     ReducedHead,
     apply_saved_draft_vocab,
@@ -33,8 +33,8 @@ from distill.reduced_vocab import (
     restrict_logits,
     save_drafter,
 )
-from distill.tiny import tiny_model, tiny_tokenizer
-from distill.train import train_drafter
+from distill.models.tiny import tiny_model, tiny_tokenizer
+from distill.training.loop import train_drafter
 from tests.test_speculative import first_token_frequencies
 
 REPO = Path(__file__).resolve().parent.parent
@@ -228,7 +228,7 @@ def test_sampling_with_reduced_drafter_follows_target_distribution():
 
 @pytest.mark.parametrize("tied, trained", [(False, True), (True, False), (True, True)])
 def test_save_load_round_trip(tmp_path, tied, trained):
-    from distill.models import load_model
+    from distill.models.loading import load_model
 
     model = reduce_vocabulary(_qwen2(1, seed=5, tied=tied), KEPT)
     if trained:

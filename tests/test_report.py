@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distill.report import render_report_markdown, write_report_plots
+from distill.measure.report import render_report_markdown, write_report_plots
 
 
 def _report() -> dict:

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from distill.errors import ConfigError
-from distill.resume import (RESUME_KEY, find_resumable, hold_lock, latest_checkpoint, named_checkpoint, prepare_resume,
+from distill.training.resume import (RESUME_KEY, find_resumable, hold_lock, latest_checkpoint, named_checkpoint, prepare_resume,
                             resume_key)
-from distill.train_stage import run_distill
+from distill.stages.distill import run_distill
 from distill.rundir import COMPLETE
-from distill.train import STATE_FILE
+from distill.training.loop import STATE_FILE
 from tests.test_config import _compose
 from tests.test_pipeline import REPO, draftsmith
 
@@ -46,7 +46,7 @@ def test_resume_key_ignores_only_the_length_of_training():
 
 def test_resume_key_holds_what_auto_mixed_precision_becomes_here(monkeypatch):
     import distill.hardware
-    import distill.models
+    import distill.models.loading
 
     monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: False)
     auto = resume_key(_compose("experiment=tiny"), "data-a", "fp")

@@ -352,7 +352,7 @@ def test_measure_cost_ratio(target, drafter):
 @pytest.mark.slow
 def test_real_qwen_greedy_equals_target(qwen05):
     """Real 0.5B as target, its first 4 layers as drafter (mostly rejected): output identical to greedy."""
-    from distill.drafters import build_drafter
+    from distill.drafters.build import build_drafter
 
     model, tokenizer = qwen05
     drafter = build_drafter(model, init="layers", num_layers=4).eval()

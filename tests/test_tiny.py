@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from distill.tiny import IM_END, IM_START, tiny_model, tiny_tokenizer
+from distill.models.tiny import IM_END, IM_START, tiny_model, tiny_tokenizer
 
 TEXTS = [
     "hello world",

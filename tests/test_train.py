@@ -1,4 +1,4 @@
-"""Training loop (distill/train.py) on tiny random Qwen2 models."""
+"""Training loop (distill/training/loop.py) on tiny random Qwen2 models."""
 
 import json
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from distill.drafters import LoraSettings, build_drafter
+from distill.drafters.build import LoraSettings, build_drafter
 from distill.errors import DraftsmithError
-from distill.train import collate, train_drafter, validate
+from distill.training.loop import collate, train_drafter, validate
 
 VOCAB = 300
 
@@ -110,8 +110,8 @@ def test_fkl_steps_reduce_loss_and_raise_acceptance(target, examples, tmp_path):
 
 def test_auto_mixed_precision_is_bf16_only_where_bf16_is_fast(monkeypatch, caplog):
     import distill.hardware
-    import distill.models
-    import distill.train_stage
+    import distill.models.loading
+    import distill.stages.distill
 
     monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: False)
     assert distill.hardware.resolve_mixed_precision("auto") == "no"
@@ -119,19 +119,19 @@ def test_auto_mixed_precision_is_bf16_only_where_bf16_is_fast(monkeypatch, caplo
     monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: True)
     assert distill.hardware.resolve_mixed_precision("auto", "cuda") == "bf16"
     # bf16 asked for on a CPU without bf16 units: trained as asked, with a warning that says why it is slow
-    monkeypatch.setattr(distill.train_stage, "bf16_is_fast", lambda device=None: False)
+    monkeypatch.setattr(distill.stages.distill, "bf16_is_fast", lambda device=None: False)
     with caplog.at_level("WARNING"):
-        assert distill.train_stage._mixed_precision("bf16") == "bf16"
+        assert distill.stages.distill._mixed_precision("bf16") == "bf16"
     assert "no bf16 matrix units" in caplog.text and "distill.mixed_precision=auto" in caplog.text
     caplog.clear()
-    assert distill.train_stage._mixed_precision("auto") in ("no", "bf16") and not caplog.text
+    assert distill.stages.distill._mixed_precision("auto") in ("no", "bf16") and not caplog.text
 
 
 def test_train_drafter_takes_auto_mixed_precision(target, examples, tmp_path, monkeypatch):
     # auto as a host without bf16 units resolves it: accelerate keeps the first precision a process asked for,
     # and the other tests in this process trained without autocast (on a bf16 host auto would ask for bf16)
     import distill.hardware
-    import distill.models
+    import distill.models.loading
 
     monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: False)
     result = train_drafter(_sibling(), target, examples, loss="fkl", lr=1e-2, max_steps=1, batch_size=2,
@@ -239,7 +239,7 @@ def _folder_bytes(path):
 
 @pytest.mark.parametrize("make", ["full", "lora"])
 def test_checkpoint_bytes_matches_the_folder_written(make, target, examples, tmp_path):
-    from distill.train import checkpoint_bytes
+    from distill.training.loop import checkpoint_bytes
 
     drafter = _sibling() if make == "full" else _lora_cut(target)
     estimate = checkpoint_bytes(drafter)
@@ -251,7 +251,7 @@ def test_checkpoint_bytes_matches_the_folder_written(make, target, examples, tmp
 def test_too_little_disk_for_one_checkpoint_is_refused_before_training(target, examples, tmp_path, monkeypatch):
     import collections
 
-    from distill import train as train_module
+    from distill.training import loop as train_module
     from distill.errors import DiskFullError
 
     usage = collections.namedtuple("usage", "total used free")
@@ -265,12 +265,12 @@ def test_too_little_disk_for_one_checkpoint_is_refused_before_training(target, e
 def test_disk_that_holds_fewer_checkpoints_than_kept_warns(target, examples, tmp_path, monkeypatch, caplog):
     import collections
 
-    from distill import train as train_module
+    from distill.training import loop as train_module
 
     size = train_module.checkpoint_bytes(_sibling())
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(train_module.shutil, "disk_usage", lambda path: usage(10**12, 0, int(1.5 * size)))
-    with caplog.at_level("WARNING", logger="distill.train"):
+    with caplog.at_level("WARNING", logger="distill.training.loop"):
         train_drafter(_sibling(), target, examples, max_steps=4, batch_size=2, output_dir=tmp_path,
                       progress=False, checkpoint_every=1, keep_checkpoints=2)
     assert "holds 1 of the 3 checkpoints" in caplog.text and "distill.keep_checkpoints" in caplog.text
@@ -282,7 +282,7 @@ def test_disk_that_holds_fewer_checkpoints_than_kept_warns(target, examples, tmp
     "[enforce fail at inline_container.cc:672] . unexpected pos 2266342464 vs 2266342356",
 ])
 def test_disk_full_during_a_checkpoint_keeps_the_earlier_ones(message, target, examples, tmp_path, monkeypatch):
-    from distill import train as train_module
+    from distill.training import loop as train_module
     from distill.errors import DiskFullError
 
     real_save, calls = train_module.torch.save, {"n": 0}
@@ -302,10 +302,10 @@ def test_disk_full_during_a_checkpoint_keeps_the_earlier_ones(message, target, e
 
 
 def test_cut_examples_are_warned_about_once_per_split(caplog):
-    from distill.train import _usable_examples
+    from distill.training.loop import _usable_examples
 
     long = [{"prompt_ids": list(range(10)), "completion_ids": list(range(10))} for _ in range(3)]
-    with caplog.at_level("WARNING", logger="distill.train"):
+    with caplog.at_level("WARNING", logger="distill.training.loop"):
         for _ in range(3):  # validation runs every validate_every steps
             kept = _usable_examples(long, max_seq_len=8, what="validation")
         _usable_examples(long, max_seq_len=8, what="training")

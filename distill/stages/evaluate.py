@@ -27,13 +27,13 @@ from decode.cpu_linear import use_onednn_linear
 from decode.quantization import drafter_for_decoding, resolve_quantization
 from distill.config import Config
 from distill.errors import DraftsmithError
-from distill.generate import load_generated
-from distill.models import eos_token_ids, load_model
-from distill.prompts import Prompt, encode_prompt, load_prompts
-from distill.reduced_vocab import draft_vocabulary_of, load_drafter, reduce_vocabulary
-from distill.report import write_report_markdown, write_report_plots
+from distill.stages.generate import load_generated
+from distill.models.loading import eos_token_ids, load_model
+from distill.data.prompts import Prompt, encode_prompt, load_prompts
+from distill.models.reduced_vocab import draft_vocabulary_of, load_drafter, reduce_vocabulary
+from distill.measure.report import write_report_markdown, write_report_plots
 from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
-from distill.simulation import (
+from distill.measure.simulation import (
     answer_all,
     answers_target_key,
     prompt_lookup_section,
@@ -44,7 +44,7 @@ from distill.simulation import (
     teacher_forced,
 )
 from distill.tracking import make_logger, run_name
-from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
+from distill.stages.distill import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -52,7 +52,7 @@ REPORT_MD = "report.md"
 
 def load_tuned_drafter(distill_dir: Path, dtype: str):
     """The merged drafter of a finished distill run (eval mode; reduced to its draft vocabulary when the
-    folder has ``draft_vocab.safetensors``, see :func:`distill.reduced_vocab.load_drafter`) and its
+    folder has ``draft_vocab.safetensors``, see :func:`distill.models.reduced_vocab.load_drafter`) and its
     ``drafter_info.json``."""
     path = require_complete(distill_dir, "distill") / DRAFTER_DIR
     model = load_drafter(path, dtype)  # with its reduced vocabulary head if it was distilled with one

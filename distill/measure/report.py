@@ -34,7 +34,7 @@ def short_name(name: str) -> str:
 
 def _drafter_shape(drafter: dict[str, Any]) -> str:
     if drafter.get("init") == "layers" and drafter.get("num_layers"):
-        from distill.drafters import describe_layers
+        from distill.drafters.build import describe_layers
 
         return describe_layers(drafter["num_layers"], drafter.get("layer_selection") or "first", drafter.get("layers"))
     return str(drafter.get("init"))

@@ -31,10 +31,10 @@ from tqdm.auto import tqdm
 from decode.cpu_linear import use_onednn_linear
 from distill.config import Config
 from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
-from distill.models import eos_token_ids, load_model, resolve_model
-from distill.prompts import Prompt, encode_prompt, load_prompts, split_prompts
+from distill.models.loading import eos_token_ids, load_model, resolve_model
+from distill.data.prompts import Prompt, encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, atomic_dir, exclusive, write_text_atomic
-from distill.simulation import answer_all, answers_file, answers_key, answers_target_key
+from distill.measure.simulation import answer_all, answers_file, answers_key, answers_target_key
 from distill.tracking import make_logger, run_name
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def _shard_key(fingerprint: str, cfg: Config) -> str:
 def _shard_name(start: int, prompts: list[Prompt]) -> str:
     """``shard-<start>-<hash>``: a shard is reused only for the same position *and* the same prompts (ids and
     texts), so raising ``generate.num_prompts`` keeps every full shard (the train prompts of a larger run
-    begin with those of a smaller one: :func:`distill.prompts.split_prompts`) and an edited prompt file
+    begin with those of a smaller one: :func:`distill.data.prompts.split_prompts`) and an edited prompt file
     regenerates only the shards whose prompts changed."""
     texts = json.dumps([[p.id, p.messages] for p in prompts], sort_keys=True)
     return f"shard-{start:06d}-{hashlib.sha256(texts.encode()).hexdigest()[:12]}"

@@ -8,7 +8,7 @@ for the newest *unfinished* distill run (no ``COMPLETE``) with the same key
 and a complete ``checkpoint-<step>``, takes over its ``checkpoints/`` folder
 (moved, not copied: the old run is dead) and continues from the last
 checkpoint with the same optimizer state and data order
-(``distill.train.train_drafter(resume_from=...)``). The new run's ``log.jsonl``
+(``distill.training.loop.train_drafter(resume_from=...)``). The new run's ``log.jsonl``
 starts with the old run's records up to that checkpoint, and the rest of the old
 run folder (config, logs) moves to ``<new run>/attempts/<old name>``, so no dead
 folder is left among the runs. A pipeline run again after its distill stage finished reuses that
@@ -32,7 +32,7 @@ from distill.config import Config
 from distill.errors import ConfigError
 from distill.hardware import resolve_mixed_precision
 from distill.rundir import COMPLETE, run_damage, write_json_atomic
-from distill.train import METRICS_FILE, STATE_FILE, VALIDATION_FILE
+from distill.training.loop import METRICS_FILE, STATE_FILE, VALIDATION_FILE
 
 log = logging.getLogger(__name__)
 RESUME_KEY = "resume_key.json"
@@ -235,7 +235,7 @@ def _copy_history(checkpoint: Path, run_dir: Path) -> None:
 
     The named run is left as it was (it may be finished and still in use), so its per-step and
     validation records and its log are copied, not moved; training keeps those up to the
-    checkpoint's step (``distill.train._restart_metrics``), so the new run holds the whole curve.
+    checkpoint's step (``distill.training.loop._restart_metrics``), so the new run holds the whole curve.
     """
     old_checkpoints, new_checkpoints = checkpoint.parent, run_dir / CHECKPOINTS
     step = checkpoint.name.partition("-")[2]

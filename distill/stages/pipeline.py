@@ -18,16 +18,16 @@ from transformers import AutoTokenizer
 
 from distill.config import Config
 from distill.errors import ConfigError
-from distill.evaluate import REPORT_MD, run_evaluate
-from distill.export import EXPORT_DIR, check_export_destination, run_export
-from distill.generate import run_generate
-from distill.models import resolve_model
-from distill.prompts import load_prompts
-from distill.report import write_report_markdown
-from distill.resume import named_checkpoint
+from distill.stages.evaluate import REPORT_MD, run_evaluate
+from distill.stages.export import EXPORT_DIR, check_export_destination, run_export
+from distill.stages.generate import run_generate
+from distill.models.loading import resolve_model
+from distill.data.prompts import load_prompts
+from distill.measure.report import write_report_markdown
+from distill.training.resume import named_checkpoint
 from distill.rundir import read_manifest, require_complete, write_json_atomic
-from distill.train_stage import check_drafter_tokens, check_layers_exist, check_qlora, check_tokenizers, run_distill
-from distill.training_data import resolve_extra_generate
+from distill.stages.distill import check_drafter_tokens, check_layers_exist, check_qlora, check_tokenizers, run_distill
+from distill.data.training_data import resolve_extra_generate
 
 
 def _release_memory() -> None:

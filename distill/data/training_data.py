@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 from distill.config import Config
 from distill.errors import ConfigError
-from distill.generate import load_generated
-from distill.prompts import Prompt, encode_prompt
+from distill.stages.generate import load_generated
+from distill.data.prompts import Prompt, encode_prompt
 from distill.rundir import read_manifest, require_complete
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def training_examples(dataset, held_out: Sequence[Prompt], extra: Sequence[Path]
     An added run's example is dropped when its prompt (token ids) is one of ``held_out`` (the main
     run's evaluation prompts, encoded with ``tokenizer``) or already taken. Stored top-k lists are
     cut to the smallest k among the runs (the lists are sorted, so this is the top-k of the smaller
-    k; the loss's truncation: :func:`distill.losses.top_k_log_probs`).
+    k; the loss's truncation: :func:`distill.training.losses.top_k_log_probs`).
 
     Returns:
         ``(examples, added)``: the examples, and per added run ``{"path", "examples",

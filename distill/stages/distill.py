@@ -3,7 +3,7 @@
 Reads a finished generate run, builds the drafter (sibling or depth-pruned,
 LoRA, QLoRA or full), trains it against the target's next-token distributions (online, or the
 top-k log-probabilities generate stored), on the target's answers or, with GKD's mixing, its own
-(:func:`distill.train.train_drafter`) and writes the merged drafter in Hugging
+(:func:`distill.training.loop.train_drafter`) and writes the merged drafter in Hugging
 Face format to ``<run>/drafter/`` with ``drafter_info.json`` recording the
 target it was tuned for.
 """
@@ -22,17 +22,17 @@ import torch
 
 from distill import parallel
 from distill.config import Config
-from distill.drafters import LoraSettings, build_drafter, merge_drafter
+from distill.drafters.build import LoraSettings, build_drafter, merge_drafter
 from distill.errors import ConfigError, DraftsmithError, TokenizerMismatchError
-from distill.generate import load_generated
+from distill.stages.generate import load_generated
 from distill.hardware import bf16_is_fast, resolve_mixed_precision
-from distill.models import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
-from distill.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
-from distill.resume import find_finished, hold_lock, named_checkpoint, prepare_resume, resume_key
+from distill.models.loading import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
+from distill.models.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
+from distill.training.resume import find_finished, hold_lock, named_checkpoint, prepare_resume, resume_key
 from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
 from distill.tracking import NullLogger, make_logger, run_name
-from distill.train import train_drafter
-from distill.training_data import data_identity, resolve_extra_generate, training_examples
+from distill.training.loop import train_drafter
+from distill.data.training_data import data_identity, resolve_extra_generate, training_examples
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def check_drafter_tokens(cfg: Config, target_tokenizer) -> None:
 
 def reduce_drafter_vocabulary(cfg: Config, drafter, train_examples, val_examples, eos_ids) -> tuple[Any, Any]:
     """With ``drafter.draft_vocab_size``: reduce the drafter's LM head to the N most frequent tokens of the
-    training completions (EAGLE-3, :mod:`distill.reduced_vocab`), EOS and pad ids always kept.
+    training completions (EAGLE-3, :mod:`distill.models.reduced_vocab`), EOS and pad ids always kept.
 
     Returns:
         ``(draft_to_target (N,), manifest record with size and coverage)``, or ``(None, None)`` when off.

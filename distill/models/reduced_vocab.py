@@ -19,7 +19,7 @@ On disk the drafter folder stays a plain ``save_pretrained`` folder of the *full
 kept rows of its LM head are the trained reduced rows), so ``transformers``, vLLM and GGUF
 converters load it as a full-vocabulary drafter; ``draft_vocab.safetensors`` beside it holds
 ``draft_to_target`` and the reduced head weight, and :func:`apply_saved_draft_vocab` (called by
-:func:`distill.models.load_model` and :func:`load_drafter`) reduces the model again on load.
+:func:`distill.models.loading.load_model` and :func:`load_drafter`) reduces the model again on load.
 """
 
 from __future__ import annotations

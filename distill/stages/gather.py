@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from distill.config import Config
-from distill.drafters import describe_layers
+from distill.drafters.build import describe_layers
 from distill.errors import DraftsmithError
 from distill.rundir import REUSED, StageRun, is_complete, read_manifest, write_text_atomic
 

@@ -45,9 +45,9 @@ from decode.acceptance import TeacherForced, simulate_greedy
 from decode.metrics import DecodeStats
 from decode.teacher_forcing import drafter_predictions
 from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out_of_memory_bytes
-from distill.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
+from distill.training.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
 from distill.hardware import resolve_mixed_precision
-from distill.reduced_vocab import draft_vocabulary_of, restrict_logits
+from distill.models.reduced_vocab import draft_vocabulary_of, restrict_logits
 from distill.rundir import human_bytes, make_shareable, require_free_space, write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ STATE_FORMAT = 1
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Which divergence to minimise (see :func:`distill.losses.distillation_loss`)."""
+    """Which divergence to minimise (see :func:`distill.training.losses.distillation_loss`)."""
 
     kind: str = "fkl"
     jsd_beta: float = 0.5
@@ -136,7 +136,7 @@ def train_drafter(
             prompt loses tokens from the left (keeping at least half the window when the
             completion is long), the completion from the right. Examples left without a
             completion position are skipped with a warning.
-        loss, jsd_beta, temperature: the divergence, see :func:`distill.losses.distillation_loss`.
+        loss, jsd_beta, temperature: the divergence, see :func:`distill.training.losses.distillation_loss`.
         lr: peak learning rate. max_steps: optimizer steps in total (including resumed ones).
         batch_size: examples per micro-batch. grad_accum: micro-batches per optimizer step.
         max_seq_len: tokens per sequence (prompt + completion), >= 2.
@@ -168,7 +168,7 @@ def train_drafter(
             forward under autocast (weights and optimizer stay float32). bf16 is about 2x faster on
             CPUs with AMX/AVX512-BF16 and on GPUs, and ~40x slower in the backward pass on CPUs
             without them (a scalar fallback); ``"auto"`` picks bf16 only where
-            :func:`distill.models.bf16_is_fast`.
+            :func:`distill.models.loading.bf16_is_fast`.
         on_policy_fraction: lambda of GKD (Agarwal et al. 2024, Algorithm 1), in [0, 1]: each
             micro-batch is, with this probability, answered by the drafter itself (sampled at
             ``on_policy_temperature``, as many new tokens as the longest stored answer of the
@@ -181,7 +181,7 @@ def train_drafter(
 
     Stored targets: when the examples carry ``top_k_ids``/``top_k_logprobs``
     (``generate.store_top_k``), the loss uses them instead of a target forward
-    (:func:`distill.losses.top_k_distillation_loss`) and ``target`` may be None.
+    (:func:`distill.training.losses.top_k_distillation_loss`) and ``target`` may be None.
 
     Returns:
         ``steps``, ``final_loss``, ``mean_loss_last_10`` (plain mean over the last 10 steps),
@@ -616,7 +616,7 @@ def _truncate(prompt: list[int], completion: list[int], max_seq_len: int) -> tup
 
 def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tensor, float, float]:
     """One forward of both models on ``batch`` (of the drafter only, when the batch carries the
-    target's stored top-k log-probabilities: :func:`distill.losses.top_k_distillation_loss`).
+    target's stored top-k log-probabilities: :func:`distill.training.losses.top_k_distillation_loss`).
 
     Both LM heads run only at the ``N`` masked (completion) positions (``logits_to_keep`` as a
     boolean mask), so logits are ``(N, V)`` rather than ``(B, T, V)``: with a 152k vocabulary the

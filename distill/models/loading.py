@@ -5,7 +5,7 @@ Accepted forms (see ``resolve_model``):
 * a shipped short name (``qwen2.5-coder-1.5b-instruct``, ``qwen2.5-coder-0.5b-instruct``,
   ``smollm2-135m-instruct``): a Q4_K_M/Q4_1 GGUF shipped in pip packages, joined,
   sha256-checked, dequantized once to fp32 safetensors in the cache;
-* ``tiny-target`` / ``tiny-drafter``: tiny random Qwen2 models (``distill.tiny``);
+* ``tiny-target`` / ``tiny-drafter``: tiny random Qwen2 models (``distill.models.tiny``);
 * a local HF folder (contains ``config.json``);
 * a local ``.gguf`` file (converted once, cached under its sha256);
 * a hub id ``org/name`` (needs network or a warm HF cache).
@@ -207,7 +207,7 @@ def _resolve_shipped(name: str, spec: ShippedModel, cache_dir: Path) -> Resolved
 
 
 def _resolve_tiny(name: str, key: str, cache_dir: Path) -> ResolvedModel:
-    from distill.tiny import tiny_config
+    from distill.models.tiny import tiny_config
 
     kind = key.removeprefix("tiny-")
     seed = TINY_SEEDS[key]
@@ -377,7 +377,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 
 
 def _build_tiny(kind: str, seed: int, out: Path) -> None:
-    from distill.tiny import tiny_model, tiny_tokenizer
+    from distill.models.tiny import tiny_model, tiny_tokenizer
 
     tiny_model(kind, seed=seed).save_pretrained(out)
     tiny_tokenizer().save_pretrained(out)
@@ -478,7 +478,7 @@ def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None 
         (model, tokenizer, resolved). The model's generation_config.eos_token_id
         includes the chat end tokens (151645 and 151643 for Qwen). A folder holding
         ``draft_vocab.safetensors`` (a drafter distilled with ``drafter.draft_vocab_size``) comes
-        back with its reduced LM head (:mod:`distill.reduced_vocab`).
+        back with its reduced LM head (:mod:`distill.models.reduced_vocab`).
 
     Raises:
         ConfigError: unknown dtype. Plus whatever ``resolve_model`` raises.
@@ -501,7 +501,7 @@ def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None 
     model.eval()
     ensure_chat_eos(model, tokenizer)
     # a distilled drafter folder with an EAGLE-3 reduced vocabulary (draft_vocab.safetensors): reduce it again
-    from distill.reduced_vocab import apply_saved_draft_vocab
+    from distill.models.reduced_vocab import apply_saved_draft_vocab
 
     try:
         apply_saved_draft_vocab(model, resolved.path)

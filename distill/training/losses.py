@@ -191,7 +191,7 @@ def top_k_log_probs(
         rest bucket. The target's rest mass is floored at 1e-7 (float32 rounding can push
         ``1 - sum`` to 0 or below), so reverse KL stays finite; when the k ids cover the whole
         vocabulary both rests are 0. Stored tokens the drafter gives probability exactly 0 (outside
-        a reduced vocabulary, :mod:`distill.reduced_vocab`) get target probability 0 too, and the
+        a reduced vocabulary, :mod:`distill.models.reduced_vocab`) get target probability 0 too, and the
         target is renormalised over the remaining buckets.
 
     Raises:

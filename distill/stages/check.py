@@ -28,14 +28,14 @@ from decode.metrics import DecodeStats, verify_cost_at
 from decode.quantization import drafter_for_decoding, resolve_quantization
 from decode.speculative import speculative_generate, target_generate
 from distill.config import Config
-from distill.drafters import describe_layers
+from distill.drafters.build import describe_layers
 from distill.errors import TokenizerMismatchError
-from distill.models import eos_token_ids, load_model, tokenizers_compatible
-from distill.generate import prompt_length_limit
-from distill.prompts import encode_prompt, load_prompts, split_prompts
+from distill.models.loading import eos_token_ids, load_model, tokenizers_compatible
+from distill.stages.generate import prompt_length_limit
+from distill.data.prompts import encode_prompt, load_prompts, split_prompts
 from distill.rundir import StageRun, write_json_atomic, write_text_atomic
-from distill.simulation import teacher_forced_greedy
-from distill.train_stage import check_layers_exist, initial_drafter
+from distill.measure.simulation import teacher_forced_greedy
+from distill.stages.distill import check_layers_exist, initial_drafter
 
 CHECK_JSON = "check.json"
 CHECK_MD = "check.md"

@@ -20,12 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill.config import Config
-from distill.drafters import describe_layers
+from distill.drafters.build import describe_layers
 from distill.errors import DraftsmithError
-from distill.evaluate import REPORT_JSON
-from distill.gguf_export import export_gguf
-from distill.models import resolve_model
-from distill.reduced_vocab import DRAFT_VOCAB_FILE
+from distill.stages.evaluate import REPORT_JSON
+from distill.models.gguf import export_gguf
+from distill.models.loading import resolve_model
+from distill.models.reduced_vocab import DRAFT_VOCAB_FILE
 from distill.rundir import (
     MANIFEST,
     StageRun,
@@ -37,7 +37,7 @@ from distill.rundir import (
     write_text_atomic,
 )
 from distill.tracking import make_logger, run_name
-from distill.train_stage import DRAFTER_DIR, DRAFTER_INFO, _state_bytes
+from distill.stages.distill import DRAFTER_DIR, DRAFTER_INFO, _state_bytes
 
 EXPORT_DIR = "drafter-hf"
 GGUF_FILE = "drafter.gguf"
@@ -151,7 +151,7 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
             f"Distilled with an EAGLE-3-style reduced vocabulary (Li et al. 2025, arXiv:2503.01840): its LM head "
             f"predicts only the {info['draft_vocab_size']:,} most frequent tokens of the target's training answers. "
             f"`{DRAFT_VOCAB_FILE}` holds the kept token ids (`draft_to_target`) and the reduced head weight; "
-            "draftsmith (`distill.models.load_model`, `distill.reduced_vocab.load_drafter`) applies it, so the head "
+            "draftsmith (`distill.models.loading.load_model`, `distill.models.reduced_vocab.load_drafter`) applies it, so the head "
             "runs over those rows only and every other token gets draft probability 0 (decoding stays lossless).", "",
             "`transformers` (`from_pretrained`, `assistant_model=`), vLLM and other loaders ignore that file and load "
             "this folder as an ordinary full-vocabulary drafter (the LM head's rows for the kept tokens equal the "

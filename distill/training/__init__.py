@@ -1,0 +1,1 @@
+"""Training: the distillation losses, the training loop, checkpoints and resume."""
