@@ -29,8 +29,8 @@ import torch
 from transformers import DynamicCache
 
 from decode.metrics import DecodeStats
-from decode.sampling import check_sampling_args, process_logits, speculative_accept
 from decode.model_calls import forward_parameters, sync, vocab_size_of
+from decode.sampling import check_sampling_args, process_logits, speculative_accept
 from decode.speculative import SpeculativeOutput, draw_draft
 from decode.stopping import StopStrings
 

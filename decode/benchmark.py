@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import StopStringCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.utils import logging as hf_logging
 
 from decode.draft_length import choose_draft_length
@@ -246,7 +246,7 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greedy: bool,
+def _speed_figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greedy: bool,
              verify_costs: Sequence[float] | None = None, target_engine: str = "hf",
              target_forward_s: float | None = None) -> dict:
     target = DecodeStats.merge([r.target.stats for r in runs])
@@ -274,7 +274,7 @@ def _figures(runs: list[_PromptRun], draft_length: int, cost_ratio: float, greed
         "outputs_match_target": (all(torch.equal(r.speculative.new_tokens, r.target.new_tokens) for r in runs)
                                  if greedy else None),
         # greedy: share of the target's tokens reproduced before the first divergence (1.0 = identical)
-        "identical_token_fraction": (sum(_prefix(r) for r in runs) / max(1, sum(len(r.target.new_tokens) for r in runs))
+        "identical_token_fraction": (sum(_agreeing_prefix(r) for r in runs) / max(1, sum(len(r.target.new_tokens) for r in runs))
                                      if greedy else None),
         "baselines": {
             "target": {"engine": "transformers generate" if target_engine == "hf" else "draftsmith loop",
@@ -329,7 +329,7 @@ def block_seconds(spec: DecodeStats, cost_ratio: float, verify_cost: float, targ
             "measured_over_cost_model": measured / (draft + verify) if draft + verify > 0 else 0.0}
 
 
-def _prefix(run: _PromptRun) -> int:
+def _agreeing_prefix(run: _PromptRun) -> int:
     divergence = first_divergence(run.speculative.new_tokens, run.target.new_tokens)
     return len(run.target.new_tokens) if divergence is None else divergence
 
@@ -362,7 +362,7 @@ def run_target_alone(target, prompts: list[tuple[str, str, list[int]]], *, max_n
     decode_args = dict(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, temperature=temperature,
                        top_k=top_k, top_p=top_p, stop_strings=stop_strings, tokenizer=tokenizer)
 
-    def one(ids: Sequence[int], max_tokens: int) -> SpeculativeOutput:
+    def decode_one(ids: Sequence[int], max_tokens: int) -> SpeculativeOutput:
         input_ids = torch.tensor([list(ids)], device=device)
         args = {**decode_args, "max_new_tokens": max_tokens}
         if engine == "loop":
@@ -377,8 +377,8 @@ def run_target_alone(target, prompts: list[tuple[str, str, list[int]]], *, max_n
                             accepted_per_block=[0] * len(tokens), drafted_per_block=[0] * len(tokens))
         return SpeculativeOutput(tokens, stats)
 
-    one(prompts[0][2], min(4, max_new_tokens))  # warm-up
-    return [one(ids, max_new_tokens)
+    decode_one(prompts[0][2], min(4, max_new_tokens))  # warm-up
+    return [decode_one(ids, max_new_tokens)
             for _, _, ids in tqdm(prompts, desc=f"target alone ({engine})", unit="prompt", disable=not progress)]
 
 
@@ -546,7 +546,7 @@ def benchmark(
         print(f"benchmark: warning: {notes[-1]}", flush=True)
 
     def figures(subset):
-        return _figures(subset, draft_length, cost_ratio, greedy, verify_costs, target_engine, target_forward_s)
+        return _speed_figures(subset, draft_length, cost_ratio, greedy, verify_costs, target_engine, target_forward_s)
 
     result = figures(runs)
     result["schedule"] = {"name": schedule if auto is None else "auto", "max_draft_length": max_draft_length,

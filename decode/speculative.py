@@ -24,8 +24,8 @@ import torch
 from transformers import DynamicCache
 
 from decode.draft_length import make_schedule
-from decode.model_calls import crop, forward, prefill, sync, vocab_size_of
 from decode.metrics import DecodeStats
+from decode.model_calls import crop, forward, prefill, sync, vocab_size_of
 from decode.prompt_lookup import PromptLookupDrafter
 from decode.sampling import check_sampling_args, greedy_accept, process_logits, sample, speculative_accept
 from decode.stopping import StopStrings

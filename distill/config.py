@@ -12,13 +12,16 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from distill.errors import ConfigError
-from distill.hardware import auto_dtype  # noqa: F401 (config's `auto`, re-exported)
+
+_ROOT_CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = _ROOT_CONF if _ROOT_CONF.is_dir() else Path(__file__).resolve().parent / "conf"  # the YAML groups
 
 STAGES = ("generate", "distill", "evaluate", "export", "pipeline", "check", "gather")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -36,12 +39,11 @@ class TargetConfig:
 
     name: str = "qwen2.5-coder-1.5b-instruct"  # shipped name, HF folder, .gguf file or hub id
     # used to generate data, score it and to decode; auto = bfloat16 where the hardware has bf16 matrix units
-    # (CUDA Ampere+, CPUs with AVX512-BF16/AMX), else float32 (see auto_dtype)
+    # (CUDA Ampere+, CPUs with AVX512-BF16/AMX), else float32 (distill.hardware.resolve_auto)
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "target.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        self.dtype = auto_dtype() if self.dtype == "auto" else self.dtype
 
 
 @dataclass
@@ -82,7 +84,6 @@ class DrafterConfig:
             _check(self.num_layers is None, "drafter.num_layers",
                    "applies to drafter.init=layers only: add drafter.num_layers=null, or drafter.init=layers")
         _check(self.dtype in DTYPES, "drafter.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        self.dtype = auto_dtype() if self.dtype == "auto" else self.dtype
 
 
 @dataclass

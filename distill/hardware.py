@@ -15,9 +15,7 @@ def bf16_is_fast(device: str | None = None) -> bool:
 
     CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and later). CPU: oneDNN's bf16 path, which
     needs AVX512 (native with AVX512-BF16 or AMX). Without it torch falls back to a scalar bf16
-    GEMM: on a 2-core AVX2 EPYC a backward pass of a 4-layer Qwen 0.5B cut under bf16 autocast took
-    83 s against 2.1 s in float32, and a 200-token prompt forward of the 1.5B target 4x longer
-    (measured 2026-12-01, ``/proc/cpuinfo`` without avx512f).
+    GEMM, many times slower than float32 (measured figures: docs/precision.md).
     """
     import torch
 
@@ -41,9 +39,8 @@ def resolve_mixed_precision(setting: str, device: str | None = None) -> str:
 def auto_dtype() -> str:
     """What ``dtype: auto`` means on this machine: ``bfloat16`` where bf16 matrix products have
     hardware support (:func:`bf16_is_fast` on CUDA if present, else the CPU), else
-    ``float32``. Without bf16 units torch runs bf16 through a scalar fallback: on a 2-core AVX2 CPU
-    a distill step with the 1.5B target online took 164 s in bf16 against 43 s in float32, and a
-    batched generate ran at 1.8 tokens/s (2026-12-01). Float32 also keeps greedy speculative output
+    ``float32``. Without bf16 units torch runs bf16 through a scalar fallback, several times slower
+    than float32 for every stage (docs/precision.md). Float32 also keeps greedy speculative output
     identical to the target's (bf16 verification of K+1 tokens can flip near-ties)."""
     return "bfloat16" if bf16_is_fast() else "float32"
 
@@ -57,3 +54,18 @@ def hardware() -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if cuda else None, "bf16_fast": bf16_is_fast()}
+
+
+def resolve_auto(config):
+    """``config`` with ``target.dtype`` and ``drafter.dtype`` ``auto`` replaced by :func:`auto_dtype`.
+
+    Called once where a run starts (:func:`distill.cli.run_stage`), so every stage, shard key and manifest
+    of the run records the dtype it ran in, never ``auto``. Takes and returns a :class:`distill.config.Config`
+    (a copy; the argument is left as it is).
+    """
+    import dataclasses
+
+    def resolved(section):
+        return dataclasses.replace(section, dtype=auto_dtype()) if section.dtype == "auto" else section
+
+    return dataclasses.replace(config, target=resolved(config.target), drafter=resolved(config.drafter))

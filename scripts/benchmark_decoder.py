@@ -26,11 +26,11 @@ import torch
 from decode.benchmark import benchmark, hf_assisted_defaults, run_target_alone
 from decode.cpu_linear import use_onednn_linear
 from decode.quantization import QUANTIZATIONS, drafter_for_decoding, quantize_drafter, resolve_quantization
-from distill.config import auto_dtype
-from distill.errors import DraftsmithError
-from distill.models.loading import eos_token_ids, load_model
 from distill.data.prompts import encode_prompt, load_prompts, split_prompts
-from distill.rundir import write_json_atomic, write_text_atomic
+from distill.errors import DraftsmithError
+from distill.files import write_json_atomic, write_text_atomic
+from distill.hardware import auto_dtype
+from distill.models.loading import eos_token_ids, load_model
 
 COLUMNS = ("| K | schedule | acceptance | tau | mean K | ours tok/s | HF assisted tok/s | ours / HF | speedup | "
            "HF speedup | c | theoretical | measured / theoretical | verify cost | block ms: measured / draft + verify "

@@ -27,15 +27,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from decode.quantization import PerTokenDynamicLinear, quantize_drafter
 from decode.model_calls import forward, prefill
+from decode.quantization import PerTokenDynamicLinear, quantize_drafter
 from decode.speculative import target_generate
-from distill.config import auto_dtype
-from distill.errors import DraftsmithError
-from distill.stages.generate import load_generated
-from distill.models.loading import eos_token_ids, load_model
+from distill.data.generated import load_generated
 from distill.data.prompts import encode_prompt
-from distill.rundir import write_json_atomic, write_text_atomic
+from distill.errors import DraftsmithError
+from distill.files import write_json_atomic, write_text_atomic
+from distill.hardware import auto_dtype
+from distill.models.loading import eos_token_ids, load_model
 
 
 def torch_int8(model, per_token: bool = False, per_channel: bool = False):

@@ -17,11 +17,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from distill.data.generated import load_generated
 from distill.drafters.build import cut_layers, describe_layers, select_layers
 from distill.errors import DraftsmithError
-from distill.stages.generate import load_generated
+from distill.files import write_json_atomic, write_text_atomic
 from distill.models.loading import load_model
-from distill.rundir import write_json_atomic, write_text_atomic
 from distill.training.loop import validate
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill.stages import check as check_module
 from distill.errors import ConfigError, TokenizerMismatchError
-from distill.rundir import COMPLETE
+from distill.runs import COMPLETE
+from distill.stages import check as check_module
 from tests.test_config import _compose
 from tests.test_pipeline import draftsmith
 from tests.test_speculative import PROMPTS, tiny_model

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from loop_settings import loop_settings
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,8 +50,8 @@ def _examples() -> list[dict]:
 def _train(output_dir: Path, batch_size: int, max_steps: int = STEPS, resume_from: Path | None = None) -> dict:
     """Train a fresh tiny drafter against the tiny target, recording the first step's gradients and the
     examples each micro-batch held. Returns the recording, the final weights and the result dict."""
-    from distill.training import loop as train
     from distill.models.tiny import tiny_model
+    from distill.training import loop as train
 
     record: dict = {"grads": None, "seen": []}
     adamw = torch.optim.AdamW
@@ -70,9 +71,10 @@ def _train(output_dir: Path, batch_size: int, max_steps: int = STEPS, resume_fro
     drafter = tiny_model("drafter", seed=1)
     torch.optim.AdamW, train.collate = RecordingAdamW, recording_collate
     try:
-        result = train.train_drafter(drafter, target, _examples(), lr=LR, max_steps=max_steps,
-                                     batch_size=batch_size, seed=SEED, output_dir=output_dir, progress=False,
-                                     checkpoint_every=2, resume_from=resume_from)
+        result = train.train_drafter(drafter, target, _examples(),
+                                     loop_settings(lr=LR, max_steps=max_steps, batch_size=batch_size, seed=SEED,
+                                                   checkpoint_every=2),
+                                     output_dir=output_dir, progress=False, resume_from=resume_from)
     finally:
         torch.optim.AdamW, train.collate = adamw, collate
     weights = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
@@ -197,8 +199,8 @@ def test_launcher_processes_that_accelerate_does_not_join_are_refused(monkeypatc
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(DraftsmithError, match="ACCELERATE_USE_CPU"):
-        train_drafter(tiny_model("drafter", seed=1), tiny_model("target", seed=0), _examples(), max_steps=1,
-                      output_dir=tmp_path, progress=False)
+        train_drafter(tiny_model("drafter", seed=1), tiny_model("target", seed=0), _examples(),
+                      loop_settings(max_steps=1), output_dir=tmp_path, progress=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +238,7 @@ def cli_ddp_run(tmp_path_factory):
 
 
 def test_distill_command_under_torchrun_makes_one_complete_run(cli_ddp_run):
-    from distill.rundir import COMPLETE, read_manifest
+    from distill.runs import COMPLETE, read_manifest
 
     root, outputs, proc = cli_ddp_run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -263,7 +265,7 @@ def test_distill_command_under_torchrun_makes_one_complete_run(cli_ddp_run):
 
 
 def test_distill_command_under_torchrun_resumes_unfinished_run(cli_ddp_run, tmp_path):
-    from distill.rundir import COMPLETE, read_manifest
+    from distill.runs import COMPLETE, read_manifest
 
     root, outputs, _ = cli_ddp_run
     copy = tmp_path / "outputs"

@@ -7,15 +7,20 @@ import math
 
 import pytest
 import torch
+from loop_settings import loop_settings
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from distill.config import DistillConfig
 from distill.drafters.build import build_drafter
 from distill.errors import ConfigError
 from distill.stages.generate import answer_batch
-from distill.training.losses import divergence_from_log_probs, per_token_divergence, top_k_distillation_loss, top_k_log_probs
 from distill.training.loop import LossSpec, _loss_step, collate, train_drafter
-
+from distill.training.losses import (
+    divergence_from_log_probs,
+    per_token_divergence,
+    top_k_distillation_loss,
+    top_k_log_probs,
+)
 from tests.test_pipeline import draftsmith
 
 VOCAB = 300
@@ -164,8 +169,9 @@ def test_stored_full_vocabulary_loss_equals_the_online_loss(target):
 def test_training_on_stored_log_probs_needs_no_target(target, tmp_path):
     examples = _stored_examples(target, k=64)
     drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")
-    result = train_drafter(drafter, None, examples[:4], val_examples=examples[:4], loss="fkl", lr=5e-3,
-                           max_steps=20, batch_size=2, output_dir=tmp_path, progress=False)
+    result = train_drafter(drafter, None, examples[:4],
+                           loop_settings(loss="fkl", lr=5e-3, max_steps=20, batch_size=2), val_examples=examples[:4],
+                           output_dir=tmp_path, progress=False)
     assert result["val_loss_after"] < 0.6 * result["val_loss_before"]
     assert result["val_expected_acceptance_after"] > result["val_expected_acceptance_before"] + 0.05
 
@@ -173,7 +179,7 @@ def test_training_on_stored_log_probs_needs_no_target(target, tmp_path):
 def test_missing_target_and_missing_stored_log_probs_is_refused(tmp_path):
     drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")
     with pytest.raises(ValueError, match="store_top_k"):
-        train_drafter(drafter, None, [{"prompt_ids": [1, 2], "completion_ids": [3, 4]}], max_steps=1,
+        train_drafter(drafter, None, [{"prompt_ids": [1, 2], "completion_ids": [3, 4]}], loop_settings(max_steps=1),
                       output_dir=tmp_path, progress=False)
 
 
@@ -200,8 +206,9 @@ def test_on_policy_batches_are_the_drafters_own_samples(target, tmp_path, monkey
 
     monkeypatch.setattr(train_module, "_on_policy_batch", spy)
     drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")
-    result = train_drafter(drafter, target, _plain_examples(), loss="rkl", lr=1e-3, max_steps=6, batch_size=2,
-                           on_policy_fraction=0.5, output_dir=tmp_path, progress=False)
+    result = train_drafter(drafter, target, _plain_examples(),
+                           loop_settings(loss="rkl", lr=1e-3, max_steps=6, batch_size=2, on_policy_fraction=0.5),
+                           output_dir=tmp_path, progress=False)
     assert math.isfinite(result["final_loss"])
     # lambda = 0.5 over 6 seeded draws: some batches on-policy, some not, the same ones on every run
     on_policy_steps = [s for s in range(1, 7) if train_module._draw(0, s, 0) < 0.5]
@@ -321,8 +328,8 @@ def test_out_of_memory_in_a_step_says_what_to_lower(target, tmp_path, monkeypatc
     monkeypatch.setattr(train_module, "_loss_step", failing)
     drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")
     with pytest.raises(OutOfMemoryError) as info:
-        train_drafter(drafter, target, _plain_examples(), max_steps=4, batch_size=2, checkpoint_every=1,
-                      output_dir=tmp_path, progress=False)
+        train_drafter(drafter, target, _plain_examples(),
+                      loop_settings(max_steps=4, batch_size=2, checkpoint_every=1), output_dir=tmp_path, progress=False)
     message = str(info.value)
     assert "step 3" in message and "8.00 GiB" in message and "distill.batch_size (now 2;" in message
     assert "checkpoint-2" in message  # the last good checkpoint, from which the same command resumes
@@ -355,8 +362,9 @@ def test_pipeline_preflight_checks_the_new_sizes_before_generating(tmp_path):
 
 def test_only_the_newest_checkpoints_are_kept(target, tmp_path):
     drafter = build_drafter(_tiny_qwen2(2, seed=1, init_range=0.02), init="sibling")
-    train_drafter(drafter, target, _plain_examples(), max_steps=5, batch_size=2, checkpoint_every=1,
-                  keep_checkpoints=2, output_dir=tmp_path, progress=False)
+    train_drafter(drafter, target, _plain_examples(),
+                  loop_settings(max_steps=5, batch_size=2, checkpoint_every=1, keep_checkpoints=2),
+                  output_dir=tmp_path, progress=False)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5"]
     with pytest.raises(ConfigError, match="keep_checkpoints"):
         DistillConfig(keep_checkpoints=-1)

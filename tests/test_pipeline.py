@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from distill.rundir import COMPLETE
+from distill.runs import COMPLETE
 
 REPO = Path(__file__).resolve().parent.parent
 REPORT_KEYS = ("acceptance_rate", "mean_accepted_tokens", "draft_length", "target_tokens_per_s",
@@ -285,8 +285,8 @@ def test_export_never_replaces_a_run_folders_files(tiny_run, tmp_path, monkeypat
     assert {p.name: p.read_bytes() for p in drafter.iterdir() if p.is_file()} == before
     # a destination this user may not write to is refused with a message, before any work (checked in-process:
     # root, as CI runs, may write anywhere)
-    from distill.stages import export as export_module
     from distill.errors import DraftsmithError
+    from distill.stages import export as export_module
 
     monkeypatch.setattr(export_module.os, "access", lambda path, mode: False)
     with pytest.raises(DraftsmithError, match="not writable by this user"):
@@ -509,7 +509,7 @@ def test_distill_adds_the_examples_of_extra_generate_runs(tiny_run, tmp_path):
 
 
 def test_extra_generate_runs_with_another_top_k_are_cut_to_the_smaller_k(tmp_path):
-    from distill.stages.generate import load_generated
+    from distill.data.generated import load_generated
     from distill.data.training_data import training_examples
     from distill.models.loading import load_model
 
@@ -545,8 +545,8 @@ def test_pipeline_refuses_an_extra_generate_run_without_stored_log_probs(tiny_ru
 
 
 def test_max_prompt_tokens_passes_over_long_prompts(tmp_path):
-    from distill.models.loading import load_model
     from distill.data.prompts import Prompt, encode_prompt
+    from distill.models.loading import load_model
 
     _, tokenizer, _ = load_model("tiny-target")
     texts = [f"short prompt {i}" for i in range(6)] + [f"a long prompt {i} " + "word " * 100 for i in range(3)]
@@ -689,6 +689,7 @@ def test_distill_again_with_the_same_data_and_settings_does_not_train_again(tiny
 def test_held_out_prompts_of_another_generate_run_are_checked_against_the_training_data(tiny_run, tmp_path):
     """inputs.generate=<another run> for evaluate: its held-out prompts may be this drafter's training prompts."""
     from datasets import load_from_disk
+
     from distill.data.prompts import load_prompts
 
     root, pipeline = tiny_run
@@ -719,7 +720,7 @@ def test_a_damaged_file_in_a_finished_run_is_named_with_the_command_that_writes_
     import shutil
 
     from distill.errors import DamagedRunError
-    from distill.rundir import require_complete
+    from distill.runs import require_complete
 
     root, proc = tiny_run
     copy = tmp_path / "pipeline"

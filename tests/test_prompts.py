@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 
 from distill.data import prompts as prompts_module
-from distill.errors import ConfigError, PromptError
 from distill.data.prompts import Prompt, encode_prompt, load_prompts, split_prompts
+from distill.errors import ConfigError, PromptError
 from distill.models.tiny import tiny_tokenizer
 
 MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -268,7 +268,7 @@ def test_eval_split_is_stratified_by_source():
 
 
 def test_sharegpt_without_a_length_limit_is_warned_about(caplog):
-    from distill.stages.generate import prompt_length_limit
+    from distill.data.generated import prompt_length_limit
     from tests.test_config import _compose
 
     with caplog.at_level("WARNING", logger="distill.stages.generate"):

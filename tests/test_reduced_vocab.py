@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loop_settings import loop_settings
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from decode.quantization import PerTokenDynamicLinear, quantize_drafter
@@ -293,8 +294,8 @@ def test_training_a_reduced_drafter(tmp_path, target, method):
     assert head.proj.weight.shape == (64, 64)
     assert head.proj.weight.requires_grad == (method == "full")
     before = head.proj.weight.detach().clone()
-    metrics = train_drafter(drafter, target, examples, val_examples=examples[:2], loss="fkl", lr=1e-2, max_steps=3,
-                            batch_size=4, output_dir=tmp_path, progress=False)
+    metrics = train_drafter(drafter, target, examples, loop_settings(loss="fkl", lr=1e-2, max_steps=3, batch_size=4),
+                            val_examples=examples[:2], output_dir=tmp_path, progress=False)
     assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items()
                if k in ("final_loss", "val_loss_before", "val_loss_after"))
     assert 0.0 <= metrics["val_expected_acceptance_after"] <= 1.0
@@ -308,8 +309,9 @@ def test_training_a_reduced_drafter(tmp_path, target, method):
     assert torch.isneginf(logits[..., outside]).all()
     # the cross-entropy loss runs too (labels outside the set are skipped, not infinite)
     merged.requires_grad_(True)
-    metrics = train_drafter(merged.train(), target, examples, loss="ce", lr=1e-3, max_steps=1, batch_size=4,
-                            output_dir=tmp_path / "ce", progress=False)
+    metrics = train_drafter(merged.train(), target, examples,
+                            loop_settings(loss="ce", lr=1e-3, max_steps=1, batch_size=4), output_dir=tmp_path / "ce",
+                            progress=False)
     assert torch.isfinite(torch.tensor(metrics["final_loss"]))
 
 
@@ -348,10 +350,12 @@ def test_resume_from_a_reduced_checkpoint(tmp_path, target):
     def fresh():
         return reduce_vocabulary(build_drafter(tiny_model("drafter", seed=1), init="sibling"), ids)
 
-    args = dict(loss="fkl", lr=1e-2, batch_size=4, progress=False)
+    args = dict(loss="fkl", lr=1e-2, batch_size=4)
     whole = fresh()
-    train_drafter(whole, target, examples, max_steps=2, output_dir=tmp_path / "a", checkpoint_every=1, **args)
+    train_drafter(whole, target, examples, loop_settings(max_steps=2, checkpoint_every=1, **args),
+                  output_dir=tmp_path / "a",
+                  progress=False)
     resumed = fresh()
-    train_drafter(resumed, target, examples, max_steps=2, output_dir=tmp_path / "b",
-                  resume_from=tmp_path / "a" / "checkpoint-1", **args)
+    train_drafter(resumed, target, examples, loop_settings(max_steps=2, **args), output_dir=tmp_path / "b",
+                  resume_from=tmp_path / "a" / "checkpoint-1", progress=False)
     torch.testing.assert_close(reduced_head(resumed).proj.weight, reduced_head(whole).proj.weight)

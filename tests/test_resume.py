@@ -13,11 +13,18 @@ from pathlib import Path
 import pytest
 
 from distill.errors import ConfigError
-from distill.training.resume import (RESUME_KEY, find_resumable, hold_lock, latest_checkpoint, named_checkpoint, prepare_resume,
-                            resume_key)
+from distill.runs import COMPLETE
 from distill.stages.distill import run_distill
-from distill.rundir import COMPLETE
 from distill.training.loop import STATE_FILE
+from distill.training.resume import (
+    RESUME_KEY,
+    find_resumable,
+    hold_lock,
+    latest_checkpoint,
+    named_checkpoint,
+    prepare_resume,
+    resume_key,
+)
 from tests.test_config import _compose
 from tests.test_pipeline import REPO, draftsmith
 
@@ -220,11 +227,11 @@ def test_disk_full_names_the_path_and_sizes(tmp_path, monkeypatch):
     import errno
 
     from distill.errors import DiskFullError
-    from distill.rundir import atomic_dir, require_free_space, write_text_atomic
+    from distill.files import atomic_dir, require_free_space, write_text_atomic
 
     with pytest.raises(DiskFullError, match=r"not enough disk space for drafter at .* GiB needed, .* GiB free"):
         require_free_space(tmp_path / "new" / "sub", 10**18, "drafter")
-    from distill.rundir import human_bytes  # sizes in a unit that fits: never "0.00 GiB needed"
+    from distill.files import human_bytes  # sizes in a unit that fits: never "0.00 GiB needed"
 
     assert [human_bytes(n) for n in (512, 3 * 2**10, 5 * 2**20, 2**31)] == ["512 bytes", "3.0 KiB", "5.0 MiB",
                                                                            "2.00 GiB"]
@@ -240,7 +247,7 @@ def test_disk_full_names_the_path_and_sizes(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("distill.rundir.os.replace", full)
+    monkeypatch.setattr("distill.files.os.replace", full)
     with pytest.raises(DiskFullError, match="report.json"):
         write_text_atomic(tmp_path / "report.json", "{}")
     assert not list(tmp_path.glob(".report.json.*"))
@@ -248,7 +255,7 @@ def test_disk_full_names_the_path_and_sizes(tmp_path, monkeypatch):
 
 def test_atomic_writes_leave_the_modes_a_plain_write_would(tmp_path):
     """mkdtemp/mkstemp make 0700/0600 and safetensors writes 0600: an export must still be readable by others."""
-    from distill.rundir import atomic_dir, write_text_atomic
+    from distill.files import atomic_dir, write_text_atomic
 
     old = os.umask(0o022)
     try:
@@ -307,7 +314,7 @@ def test_two_generate_runs_into_one_outputs_take_turns_and_agree(tmp_path):
 
 def test_a_folder_written_twice_at_once_gets_a_clear_error(tmp_path):
     from distill.errors import ConcurrentWriteError
-    from distill.rundir import atomic_dir
+    from distill.files import atomic_dir
 
     with pytest.raises(ConcurrentWriteError, match="another process.*run the same command again"):
         with atomic_dir(tmp_path / "shard") as tmp:

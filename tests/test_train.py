@@ -1,9 +1,11 @@
 """Training loop (distill/training/loop.py) on tiny random Qwen2 models."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from loop_settings import loop_settings
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from distill.drafters.build import LoraSettings, build_drafter
@@ -84,8 +86,9 @@ def test_collate_masks_prompt_and_padding():
 def test_fkl_steps_reduce_loss_and_raise_acceptance(target, examples, tmp_path):
     torch.manual_seed(0)
     logger = _Recorder()
-    result = train_drafter(_sibling(), target, examples, loss="fkl", lr=1e-2, max_steps=8, batch_size=4,
-                           output_dir=tmp_path, val_examples=examples[:6], logger=logger, progress=False)
+    result = train_drafter(_sibling(), target, examples,
+                           loop_settings(loss="fkl", lr=1e-2, max_steps=8, batch_size=4), output_dir=tmp_path,
+                           val_examples=examples[:6], logger=logger, progress=False)
     assert result["val_loss_after"] < 0.95 * result["val_loss_before"]
     assert result["val_expected_acceptance_after"] > result["val_expected_acceptance_before"]
     assert result["steps"] == 8 and result["tokens_seen"] > 0 and result["tokens_per_s"] > 0
@@ -134,27 +137,28 @@ def test_train_drafter_takes_auto_mixed_precision(target, examples, tmp_path, mo
     import distill.models.loading
 
     monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: False)
-    result = train_drafter(_sibling(), target, examples, loss="fkl", lr=1e-2, max_steps=1, batch_size=2,
-                           output_dir=tmp_path, mixed_precision="auto", progress=False)
+    result = train_drafter(_sibling(), target, examples,
+                           loop_settings(loss="fkl", lr=1e-2, max_steps=1, batch_size=2, mixed_precision="auto"),
+                           output_dir=tmp_path, progress=False)
     assert result["steps"] == 1 and result["final_loss"] > 0
 
 
 def test_resume_matches_uninterrupted_run(target, examples, tmp_path):
     # 4 examples per step over 10 examples: the stream crosses an epoch boundary mid-batch
-    settings = dict(loss="jsd", lr=5e-3, max_steps=4, batch_size=2, grad_accum=2, warmup_steps=1,
-                    checkpoint_every=2, seed=7, progress=False)
+    settings = loop_settings(loss="jsd", lr=5e-3, max_steps=4, batch_size=2, grad_accum=2, warmup_steps=1,
+                             checkpoint_every=2, seed=7)
     torch.manual_seed(0)
-    full = train_drafter(_lora_cut(target), target, examples, output_dir=tmp_path / "a", **settings)
+    full = train_drafter(_lora_cut(target), target, examples, settings, output_dir=tmp_path / "a", progress=False)
 
     torch.manual_seed(0)
     with pytest.raises(KeyboardInterrupt):
-        train_drafter(_lora_cut(target), target, examples, output_dir=tmp_path / "b",
-                      logger=_Recorder(fail_at=4), **settings)
+        train_drafter(_lora_cut(target), target, examples, settings, output_dir=tmp_path / "b",
+                      logger=_Recorder(fail_at=4), progress=False)
     assert len(_losses(tmp_path / "b")) == 4 and (tmp_path / "b" / "checkpoint-2").is_dir()
 
     torch.manual_seed(999)  # a different RNG state and fresh adapters: all restored from the checkpoint
-    resumed = train_drafter(_lora_cut(target), target, examples, output_dir=tmp_path / "b",
-                            resume_from=tmp_path / "b" / "checkpoint-2", **settings)
+    resumed = train_drafter(_lora_cut(target), target, examples, settings, output_dir=tmp_path / "b",
+                            resume_from=tmp_path / "b" / "checkpoint-2", progress=False)
     assert len(_losses(tmp_path / "b")) == 4
     assert torch.allclose(torch.tensor(_losses(tmp_path / "b")), torch.tensor(_losses(tmp_path / "a")),
                           rtol=1e-6, atol=0)
@@ -162,8 +166,8 @@ def test_resume_matches_uninterrupted_run(target, examples, tmp_path):
     assert resumed["tokens_seen"] == full["tokens_seen"]
 
     with pytest.raises(DraftsmithError, match="batch_size"):
-        train_drafter(_lora_cut(target), target, examples, output_dir=tmp_path / "c",
-                      resume_from=tmp_path / "b" / "checkpoint-2", **{**settings, "batch_size": 3})
+        train_drafter(_lora_cut(target), target, examples, dataclasses.replace(settings, batch_size=3),
+                      output_dir=tmp_path / "c", resume_from=tmp_path / "b" / "checkpoint-2", progress=False)
 
 
 def test_nan_loss_names_the_step(target, examples, tmp_path):
@@ -177,8 +181,8 @@ def test_nan_loss_names_the_step(target, examples, tmp_path):
     handle = target.register_forward_hook(poison)
     try:
         with pytest.raises(DraftsmithError, match=r"step 3; the last good checkpoint is .*checkpoint-2"):
-            train_drafter(_sibling(), target, examples, max_steps=5, batch_size=2, output_dir=tmp_path,
-                          progress=False, checkpoint_every=2)
+            train_drafter(_sibling(), target, examples, loop_settings(max_steps=5, batch_size=2, checkpoint_every=2),
+                          output_dir=tmp_path, progress=False)
     finally:
         handle.remove()
     assert len(_losses(tmp_path)) == 2
@@ -187,8 +191,8 @@ def test_nan_loss_names_the_step(target, examples, tmp_path):
 def test_lora_training_changes_only_adapters(target, examples, tmp_path):
     drafter = _lora_cut(target, dropout=0.0)
     before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
-    train_drafter(drafter, target, examples, loss="tvd", lr=1e-2, max_steps=3, batch_size=4, output_dir=tmp_path,
-                  progress=False)
+    train_drafter(drafter, target, examples, loop_settings(loss="tvd", lr=1e-2, max_steps=3, batch_size=4),
+                  output_dir=tmp_path, progress=False)
     changed = {n for n, p in drafter.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     assert any("lora_B" in n for n in changed)
@@ -198,16 +202,16 @@ def test_lora_training_changes_only_adapters(target, examples, tmp_path):
 
 @pytest.mark.parametrize("loss", ["rkl", "ce", "tvd"])
 def test_other_losses_run(target, examples, tmp_path, loss):
-    result = train_drafter(_sibling(), target, examples[:4], loss=loss, max_steps=1, batch_size=2,
+    result = train_drafter(_sibling(), target, examples[:4], loop_settings(loss=loss, max_steps=1, batch_size=2),
                            output_dir=tmp_path, progress=False)
     assert result["final_loss"] > 0
 
 
 def test_validate_every_writes_a_curve_that_survives_resume(target, examples, tmp_path):
-    settings = dict(loss="fkl", lr=1e-2, max_steps=6, batch_size=4, checkpoint_every=2, validate_every=2,
-                    val_examples=examples[:4], progress=False)
+    settings = loop_settings(loss="fkl", lr=1e-2, max_steps=6, batch_size=4, checkpoint_every=2, validate_every=2)
+    run = dict(val_examples=examples[:4], progress=False)
     torch.manual_seed(0)
-    train_drafter(_sibling(), target, examples, output_dir=tmp_path / "a", **settings)
+    train_drafter(_sibling(), target, examples, settings, output_dir=tmp_path / "a", **run)
     curve = [json.loads(line) for line in (tmp_path / "a" / "validation.jsonl").read_text().splitlines()]
     assert [p["step"] for p in curve] == [0, 2, 4, 6]
     assert {"val_loss", "val_expected_acceptance", "val_top1_agreement"} <= curve[0].keys()
@@ -215,10 +219,10 @@ def test_validate_every_writes_a_curve_that_survives_resume(target, examples, tm
 
     torch.manual_seed(0)  # killed after step 4's validation: the resumed run redoes 5-6 and keeps 0-4
     with pytest.raises(KeyboardInterrupt):
-        train_drafter(_sibling(), target, examples, output_dir=tmp_path / "b", logger=_Recorder(fail_at=5),
-                      **settings)
-    train_drafter(_sibling(), target, examples, output_dir=tmp_path / "b", resume_from=tmp_path / "b" / "checkpoint-4",
-                  **settings)
+        train_drafter(_sibling(), target, examples, settings, output_dir=tmp_path / "b", logger=_Recorder(fail_at=5),
+                      **run)
+    train_drafter(_sibling(), target, examples, settings, output_dir=tmp_path / "b",
+                  resume_from=tmp_path / "b" / "checkpoint-4", **run)
     resumed = [json.loads(line) for line in (tmp_path / "b" / "validation.jsonl").read_text().splitlines()]
     assert [p["step"] for p in resumed] == [0, 2, 4, 6]
     assert [p["val_loss"] for p in resumed] == pytest.approx([p["val_loss"] for p in curve], rel=1e-5)
@@ -243,7 +247,8 @@ def test_checkpoint_bytes_matches_the_folder_written(make, target, examples, tmp
 
     drafter = _sibling() if make == "full" else _lora_cut(target)
     estimate = checkpoint_bytes(drafter)
-    train_drafter(drafter, target, examples, max_steps=1, batch_size=2, output_dir=tmp_path, progress=False)
+    train_drafter(drafter, target, examples, loop_settings(max_steps=1, batch_size=2), output_dir=tmp_path,
+                  progress=False)
     written = _folder_bytes(tmp_path / "checkpoint-1")
     assert 0.9 * written < estimate < 1.1 * written, (estimate, written)
 
@@ -251,14 +256,15 @@ def test_checkpoint_bytes_matches_the_folder_written(make, target, examples, tmp
 def test_too_little_disk_for_one_checkpoint_is_refused_before_training(target, examples, tmp_path, monkeypatch):
     import collections
 
-    from distill.training import loop as train_module
     from distill.errors import DiskFullError
+    from distill.training import loop as train_module
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(train_module.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
     with pytest.raises(DiskFullError, match=r"training checkpoint \(weights \+ optimizer state\) at .*: "
                                             r"about .* needed, 1000 bytes free; .*outputs="):
-        train_drafter(_sibling(), target, examples, max_steps=4, batch_size=2, output_dir=tmp_path, progress=False)
+        train_drafter(_sibling(), target, examples, loop_settings(max_steps=4, batch_size=2), output_dir=tmp_path,
+                      progress=False)
     assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("*checkpoint*"))
 
 
@@ -271,8 +277,9 @@ def test_disk_that_holds_fewer_checkpoints_than_kept_warns(target, examples, tmp
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(train_module.shutil, "disk_usage", lambda path: usage(10**12, 0, int(1.5 * size)))
     with caplog.at_level("WARNING", logger="distill.training.loop"):
-        train_drafter(_sibling(), target, examples, max_steps=4, batch_size=2, output_dir=tmp_path,
-                      progress=False, checkpoint_every=1, keep_checkpoints=2)
+        train_drafter(_sibling(), target, examples,
+                      loop_settings(max_steps=4, batch_size=2, checkpoint_every=1, keep_checkpoints=2),
+                      output_dir=tmp_path, progress=False)
     assert "holds 1 of the 3 checkpoints" in caplog.text and "distill.keep_checkpoints" in caplog.text
 
 
@@ -282,8 +289,8 @@ def test_disk_that_holds_fewer_checkpoints_than_kept_warns(target, examples, tmp
     "[enforce fail at inline_container.cc:672] . unexpected pos 2266342464 vs 2266342356",
 ])
 def test_disk_full_during_a_checkpoint_keeps_the_earlier_ones(message, target, examples, tmp_path, monkeypatch):
-    from distill.training import loop as train_module
     from distill.errors import DiskFullError
+    from distill.training import loop as train_module
 
     real_save, calls = train_module.torch.save, {"n": 0}
 
@@ -295,8 +302,8 @@ def test_disk_full_during_a_checkpoint_keeps_the_earlier_ones(message, target, e
 
     monkeypatch.setattr(train_module.torch, "save", save)
     with pytest.raises(DiskFullError, match=r"checkpoint-4 .*earlier checkpoints in .* are intact"):
-        train_drafter(_sibling(), target, examples, max_steps=6, batch_size=2, output_dir=tmp_path,
-                      progress=False, checkpoint_every=2)
+        train_drafter(_sibling(), target, examples, loop_settings(max_steps=6, batch_size=2, checkpoint_every=2),
+                      output_dir=tmp_path, progress=False)
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()
     assert not (tmp_path / "checkpoint-4").exists() and not list(tmp_path.glob(".checkpoint-4*"))
 

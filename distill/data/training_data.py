@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from distill.config import Config
-from distill.errors import ConfigError
-from distill.stages.generate import load_generated
+from distill.data.generated import load_generated
 from distill.data.prompts import Prompt, encode_prompt
-from distill.rundir import read_manifest, require_complete
+from distill.errors import ConfigError
+from distill.runs import read_manifest, require_complete
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def training_examples(dataset, held_out: Sequence[Prompt], extra: Sequence[Path]
 
 def data_identity(manifest: dict, run_dir: Path, extra: Sequence[Path]) -> str:
     """What a distill resume is keyed on: the data of the main run and of each added run, in order."""
-    def one(m: dict, path: Path) -> str:
+    def identity_of(m: dict, path: Path) -> str:
         return m.get("data_identity") or m.get("shard_cache") or str(path)
 
-    return "+".join([one(manifest, run_dir)] + [one(read_manifest(p), p) for p in extra])
+    return "+".join([identity_of(manifest, run_dir)] + [identity_of(read_manifest(p), p) for p in extra])

@@ -236,3 +236,16 @@ def _wrap_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
     config = LoraConfig(r=int(lora.r), lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=targets, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def state_dict_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s state dict as ``save_pretrained`` writes it, tensors that share storage (tied
+    embeddings and LM head) counted once; meta tensors count at their nominal size."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        key = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else id(tensor)
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from distill.rundir import write_text_atomic
+from distill.files import write_text_atomic
 
 _ROWS = [  # (label, key, format)
     ("acceptance rate (accepted / drafted tokens)", "acceptance_rate", "{:.3f}"),
@@ -444,3 +444,9 @@ def write_report_markdown(report: dict[str, Any], path: Path) -> Path:
     """Render ``report`` to ``path`` atomically; returns ``path``."""
     write_text_atomic(path, render_report_markdown(report))
     return path
+
+
+REPORT_JSON = "report.json"
+
+
+REPORT_MD = "report.md"

@@ -19,7 +19,7 @@ from decode.acceptance import SimulationSettings, TeacherForced, simulate, simul
 from decode.prompt_lookup import DEFAULT_MAX_NGRAM
 from decode.stopping import StopStrings
 from decode.teacher_forcing import drafter_predictions, sampling_betas, target_answers
-from distill.rundir import write_json_atomic
+from distill.files import write_json_atomic
 
 Prompts = list[tuple[str, str, list[int]]]  # (prompt_id, category, token ids)
 

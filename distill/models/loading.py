@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.errors import ConfigError, ModelIntegrityError, ModelNotFoundError
+from distill.files import make_shareable
 from distill.hardware import auto_dtype
-from distill.rundir import make_shareable
 
 logger = logging.getLogger(__name__)
 

@@ -20,22 +20,23 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from decode.benchmark import machine_busy, measure_cost_ratio, measure_verify_costs
 from decode.acceptance import SimulationSettings, simulated_section
+from decode.benchmark import machine_busy, measure_cost_ratio, measure_verify_costs
 from decode.cpu_linear import use_onednn_linear
 from decode.draft_length import DraftLengthChoice, expected_speedup, rule_of_thumb_draft_length
 from decode.metrics import DecodeStats, verify_cost_at
 from decode.quantization import drafter_for_decoding, resolve_quantization
 from decode.speculative import speculative_generate, target_generate
 from distill.config import Config
-from distill.drafters.build import describe_layers
-from distill.errors import TokenizerMismatchError
-from distill.models.loading import eos_token_ids, load_model, tokenizers_compatible
-from distill.stages.generate import prompt_length_limit
+from distill.data.generated import prompt_length_limit
 from distill.data.prompts import encode_prompt, load_prompts, split_prompts
-from distill.rundir import StageRun, write_json_atomic, write_text_atomic
+from distill.drafters.build import describe_layers
+from distill.drafters.setup import check_layers_exist, initial_drafter
+from distill.errors import TokenizerMismatchError
+from distill.files import write_json_atomic, write_text_atomic
 from distill.measure.simulation import teacher_forced_greedy
-from distill.stages.distill import check_layers_exist, initial_drafter
+from distill.models.loading import eos_token_ids, load_model, tokenizers_compatible
+from distill.runs import StageRun
 
 CHECK_JSON = "check.json"
 CHECK_MD = "check.md"

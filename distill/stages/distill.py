@@ -22,134 +22,30 @@ import torch
 
 from distill import parallel
 from distill.config import Config
-from distill.drafters.build import LoraSettings, build_drafter, merge_drafter
-from distill.errors import ConfigError, DraftsmithError, TokenizerMismatchError
-from distill.stages.generate import load_generated
+from distill.data.generated import load_generated
+from distill.data.training_data import data_identity, resolve_extra_generate, training_examples
+from distill.drafters.build import LoraSettings, merge_drafter, state_dict_bytes
+from distill.drafters.setup import (
+    DRAFTER_DIR,
+    DRAFTER_INFO,
+    check_drafter_tokens,
+    check_layers_exist,
+    check_qlora,
+    check_tokenizers,
+    drafter_info,
+    initial_drafter,
+)
+from distill.errors import ConfigError, DraftsmithError
+from distill.files import atomic_dir, write_json_atomic
 from distill.hardware import bf16_is_fast, resolve_mixed_precision
-from distill.models.loading import ResolvedModel, eos_token_ids, load_model, resolve_model, tokenizers_compatible
+from distill.models.loading import ResolvedModel, eos_token_ids, load_model, resolve_model
 from distill.models.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
-from distill.training.resume import find_finished, hold_lock, named_checkpoint, prepare_resume, resume_key
-from distill.rundir import StageRun, atomic_dir, resolve_input, write_json_atomic
+from distill.runs import StageRun, resolve_input
 from distill.tracking import NullLogger, make_logger, run_name
 from distill.training.loop import train_drafter
-from distill.data.training_data import data_identity, resolve_extra_generate, training_examples
+from distill.training.resume import find_finished, hold_lock, named_checkpoint, prepare_resume, resume_key
 
 log = logging.getLogger(__name__)
-
-DRAFTER_DIR = "drafter"
-DRAFTER_INFO = "drafter_info.json"
-
-
-def initial_drafter(cfg: Config, dtype: str = "float32", lora: LoraSettings | None = None,
-                    quantize_4bit: bool = False):
-    """The drafter before distillation, as ``drafter.*`` describes it.
-
-    Args:
-        quantize_4bit: load the base in bitsandbytes NF4 with double quantization and bf16
-            compute (QLoRA, Dettmers et al. 2023, Sec. 3) and prepare it for k-bit training
-            (peft ``prepare_model_for_kbit_training``); needs CUDA (see :func:`check_qlora`).
-
-    Returns:
-        ``(model, tokenizer, resolved)`` of the drafter's base model.
-    """
-    extra = {}
-    if quantize_4bit:
-        from transformers import BitsAndBytesConfig
-
-        extra = {"quantization_config": BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16), "device_map": {"": torch.cuda.current_device()}}
-        dtype = "bfloat16"
-    base, tokenizer, resolved = load_model(cfg.drafter.name, dtype=dtype, **extra)
-    if quantize_4bit:
-        from peft import prepare_model_for_kbit_training
-
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
-    try:
-        model = build_drafter(base, init=cfg.drafter.init, num_layers=cfg.drafter.num_layers,
-                              layer_selection=cfg.drafter.layer_selection, layers=cfg.drafter.layers, lora=lora)
-    except ValueError as err:  # e.g. more layers asked for than the base model has
-        raise ConfigError(f"drafter (drafter.*, distill.lora_*): {err}") from err
-    return model, tokenizer, resolved
-
-
-def check_layers_exist(cfg: Config) -> None:
-    """Refuse a depth-pruned drafter asking for layers its base model does not have (config only, no weights).
-
-    Raises:
-        ConfigError: ``drafter.num_layers`` above, or an index in ``drafter.layers`` at or above, the
-            base model's number of decoder layers.
-    """
-    if cfg.drafter.init != "layers":
-        return
-    from transformers import AutoConfig
-
-    total = AutoConfig.from_pretrained(resolve_model(cfg.drafter.name).path).num_hidden_layers
-    if cfg.drafter.layers is not None and cfg.drafter.layers[-1] >= total:
-        raise ConfigError(f"drafter.layers={cfg.drafter.layers}: {cfg.drafter.name} has decoder layers 0..{total - 1}; "
-                          "drop the indices above that")
-    if cfg.drafter.num_layers is not None and cfg.drafter.num_layers > total:
-        raise ConfigError(f"drafter.num_layers={cfg.drafter.num_layers}: {cfg.drafter.name} has {total} decoder "
-                          f"layers; use at most {total}")
-
-
-def check_qlora(cfg: Config) -> None:
-    """Refuse ``distill.method=qlora`` where it cannot run, before anything is loaded.
-
-    Raises:
-        ConfigError: no CUDA device, bitsandbytes missing, or a depth-pruned drafter
-            (``drafter.init=layers`` copies layers, which 4-bit weights do not allow).
-    """
-    if cfg.distill.method != "qlora":
-        return
-    if not torch.cuda.is_available():
-        raise ConfigError("distill.method=qlora loads the drafter in bitsandbytes 4-bit, which needs a CUDA GPU; "
-                          "on this machine use distill.method=lora (same adapters on an unquantized base)")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as err:
-        raise ConfigError("distill.method=qlora needs bitsandbytes: pip install -e '.[cuda]'") from err
-    if cfg.drafter.init != "sibling":
-        raise ConfigError("distill.method=qlora needs drafter.init=sibling: a depth-pruned drafter is trained in "
-                          "full (distill=full)")
-
-
-def check_tokenizers(target_tokenizer, drafter_tokenizer, target_name: str, drafter_name: str) -> None:
-    """Raise :class:`TokenizerMismatchError` unless both tokenizers agree on vocabulary and special tokens."""
-    ok, why = tokenizers_compatible(target_tokenizer, drafter_tokenizer)
-    if not ok:
-        raise TokenizerMismatchError(
-            f"target {target_name!r} and drafter {drafter_name!r} have different tokenizers ({why}); "
-            "speculative decoding needs one shared vocabulary: pick a drafter from the target's family")
-
-
-def drafter_info(cfg: Config, target: ResolvedModel, base: ResolvedModel) -> dict[str, Any]:
-    """What a tuned drafter must carry so that evaluate and export can check it belongs to the target."""
-    return {"target_name": cfg.target.name, "target_fingerprint": target.fingerprint,
-            "base_name": cfg.drafter.name, "base_fingerprint": base.fingerprint, "init": cfg.drafter.init,
-            "num_layers": cfg.drafter.num_layers, "layer_selection": cfg.drafter.layer_selection,
-            "layers": cfg.drafter.layers,
-            "method": cfg.distill.method, "loss": cfg.distill.loss,
-            "target_source": cfg.distill.target_source, "on_policy_fraction": cfg.distill.on_policy_fraction,
-            "draft_vocab_size": cfg.drafter.draft_vocab_size}
-
-
-def check_drafter_tokens(cfg: Config, target_tokenizer) -> None:
-    """From tokenizers alone (no weights): the drafter shares the target's tokens and ``drafter.draft_vocab_size``
-    fits its vocabulary, so a bad pair is refused before any model loads.
-
-    Raises:
-        TokenizerMismatchError: target and drafter cannot share tokens.
-        ConfigError: ``drafter.draft_vocab_size`` outside 2..(the drafter's tokens).
-    """
-    from transformers import AutoTokenizer
-
-    drafter = AutoTokenizer.from_pretrained(resolve_model(cfg.drafter.name).path)
-    check_tokenizers(target_tokenizer, drafter, cfg.target.name, cfg.drafter.name)
-    size = cfg.drafter.draft_vocab_size
-    if size is not None and not 2 <= size <= len(drafter):
-        raise ConfigError(f"drafter.draft_vocab_size={size} must be between 2 and the drafter's {len(drafter)} "
-                          "tokens (e.g. 32000 for Qwen), or null for the full vocabulary")
 
 
 def reduce_drafter_vocabulary(cfg: Config, drafter, train_examples, val_examples, eos_ids) -> tuple[Any, Any]:
@@ -188,16 +84,6 @@ def _check_validation_split(d, num_examples: int) -> None:
         raise ConfigError(f"distill.validate_every={d.validate_every} needs held-out examples, but "
                           f"distill.val_fraction={d.val_fraction} of {num_examples} examples holds out none: "
                           f"{fix} or set distill.validate_every=0")
-
-
-def _state_bytes(model) -> int:
-    """Bytes a save_pretrained of ``model`` writes (its parameters and buffers, tied weights once)."""
-    seen, total = set(), 0
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-    return total
 
 
 def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
@@ -291,15 +177,10 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         if main else NullLogger()
     try:
         metrics = train_drafter(
-            drafter, target, train_examples, val_examples=val_examples or None, loss=d.loss,
-            jsd_beta=d.jsd_beta, temperature=d.temperature, lr=d.lr, max_steps=d.max_steps,
-            batch_size=d.batch_size, grad_accum=d.grad_accum, max_seq_len=d.max_seq_len,
-            warmup_steps=d.warmup_steps, weight_decay=d.weight_decay, seed=d.seed,
-            output_dir=run_dir / "checkpoints", checkpoint_every=d.checkpoint_every, logger=logger,
-            mixed_precision=mixed_precision, resume_from=resume_from,
-            on_policy_fraction=d.on_policy_fraction, on_policy_temperature=d.on_policy_temperature,
-            eos_token_ids=eos_token_ids(drafter, drafter_tok), keep_checkpoints=d.keep_checkpoints,
-            validate_every=d.validate_every, validation_draft_length=cfg.decode.draft_length)
+            drafter, target, train_examples, dataclasses.replace(d, mixed_precision=mixed_precision),
+            output_dir=run_dir / "checkpoints", resume_from=resume_from, val_examples=val_examples or None,
+            logger=logger, eos_token_ids=eos_token_ids(drafter, drafter_tok),
+            validation_draft_length=cfg.decode.draft_length)
         metrics["mixed_precision"] = mixed_precision  # what "auto" became on this machine
         # k the targets were cut to (the smallest among the runs that added examples)
         metrics["stored_top_k"] = min(r["store_top_k"] for r in [gen_manifest, *added]
@@ -343,7 +224,7 @@ def _save_run(cfg: Config, run: StageRun, drafter, drafter_tok, target_res: Reso
     info = drafter_info(cfg, target_res, base_res)
     info["training_data"] = {"train_examples": num_train, "val_examples": num_val, "generate_runs": 1 + len(added)}
     final = run_dir / DRAFTER_DIR
-    with atomic_dir(final, needed_bytes=_state_bytes(merged)) as tmp:
+    with atomic_dir(final, needed_bytes=state_dict_bytes(merged)) as tmp:
         save_drafter(merged, tmp)  # the full-vocabulary model (+ draft_vocab.safetensors if reduced)
         drafter_tok.save_pretrained(tmp)
         write_json_atomic(tmp / DRAFTER_INFO, info)

@@ -26,13 +26,12 @@ from decode.benchmark import benchmark, machine_busy, run_target_alone
 from decode.cpu_linear import use_onednn_linear
 from decode.quantization import drafter_for_decoding, resolve_quantization
 from distill.config import Config
-from distill.errors import DraftsmithError
-from distill.stages.generate import load_generated
-from distill.models.loading import eos_token_ids, load_model
+from distill.data.generated import load_generated
 from distill.data.prompts import Prompt, encode_prompt, load_prompts
-from distill.models.reduced_vocab import draft_vocabulary_of, load_drafter, reduce_vocabulary
-from distill.measure.report import write_report_markdown, write_report_plots
-from distill.rundir import StageRun, read_manifest, require_complete, resolve_input, write_json_atomic
+from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
+from distill.errors import DraftsmithError
+from distill.files import write_json_atomic
+from distill.measure.report import REPORT_JSON, REPORT_MD, write_report_markdown, write_report_plots
 from distill.measure.simulation import (
     answer_all,
     answers_target_key,
@@ -43,11 +42,10 @@ from distill.measure.simulation import (
     simulation_check,
     teacher_forced,
 )
+from distill.models.loading import eos_token_ids, load_model
+from distill.models.reduced_vocab import draft_vocabulary_of, load_drafter, reduce_vocabulary
+from distill.runs import StageRun, read_manifest, require_complete, resolve_input
 from distill.tracking import make_logger, run_name
-from distill.stages.distill import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
-
-REPORT_JSON = "report.json"
-REPORT_MD = "report.md"
 
 
 def load_tuned_drafter(distill_dir: Path, dtype: str):

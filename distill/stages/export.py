@@ -20,24 +20,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill.config import Config
-from distill.drafters.build import describe_layers
+from distill.drafters.build import describe_layers, state_dict_bytes
+from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO
 from distill.errors import DraftsmithError
-from distill.stages.evaluate import REPORT_JSON
+from distill.files import atomic_dir, write_text_atomic
+from distill.measure.report import REPORT_JSON
 from distill.models.gguf import export_gguf
 from distill.models.loading import resolve_model
 from distill.models.reduced_vocab import DRAFT_VOCAB_FILE
-from distill.rundir import (
-    MANIFEST,
-    StageRun,
-    atomic_dir,
-    find_latest,
-    read_manifest,
-    require_complete,
-    resolve_input,
-    write_text_atomic,
-)
+from distill.runs import MANIFEST, StageRun, find_latest, read_manifest, require_complete, resolve_input
 from distill.tracking import make_logger, run_name
-from distill.stages.distill import DRAFTER_DIR, DRAFTER_INFO, _state_bytes
 
 EXPORT_DIR = "drafter-hf"
 GGUF_FILE = "drafter.gguf"
@@ -246,7 +238,7 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
 
     staging = dest.with_name(dest.name + ".new") if dest.exists() else dest  # (an empty dest is replaced too)
     gguf_bytes = sum(p.numel() for p in model.parameters()) * (4 if cfg.export.gguf_dtype == "f32" else 2)
-    with atomic_dir(staging, needed_bytes=_state_bytes(model) + (gguf_bytes if cfg.export.gguf else 0)) as tmp:
+    with atomic_dir(staging, needed_bytes=state_dict_bytes(model) + (gguf_bytes if cfg.export.gguf else 0)) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if model.generation_config is not None:

@@ -23,7 +23,8 @@ import yaml
 from distill.config import Config
 from distill.drafters.build import describe_layers
 from distill.errors import DraftsmithError
-from distill.rundir import REUSED, StageRun, is_complete, read_manifest, write_text_atomic
+from distill.files import write_text_atomic
+from distill.runs import REUSED, StageRun, is_complete, read_manifest
 
 FIGURES = (  # (column, path in report.json)
     # exact, on every held-out prompt (decode.acceptance); the timed figures below cover evaluate.timed_prompts

@@ -20,7 +20,6 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,58 +29,16 @@ from tqdm.auto import tqdm
 
 from decode.cpu_linear import use_onednn_linear
 from distill.config import Config
+from distill.data.generated import DATASET_DIR, EVAL_PROMPTS, select_prompts
+from distill.data.prompts import Prompt, encode_prompt
 from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
-from distill.models.loading import eos_token_ids, load_model, resolve_model
-from distill.data.prompts import Prompt, encode_prompt, load_prompts, split_prompts
-from distill.rundir import StageRun, atomic_dir, exclusive, write_text_atomic
+from distill.files import atomic_dir, exclusive, write_text_atomic
 from distill.measure.simulation import answer_all, answers_file, answers_key, answers_target_key
+from distill.models.loading import eos_token_ids, load_model
+from distill.runs import StageRun
 from distill.tracking import make_logger, run_name
 
 log = logging.getLogger(__name__)
-
-DATASET_DIR = "dataset"
-EVAL_PROMPTS = "eval_prompts.jsonl"
-
-
-def select_prompts(cfg: Config, skipped: list[str] | None = None,
-                   too_long: list[str] | None = None) -> tuple[list[Prompt], list[Prompt]]:
-    """The training and held-out evaluation prompts for ``cfg`` (disjoint, deterministic in ``data.seed``).
-
-    Malformed lines skipped under ``data.on_bad_line=skip`` are appended to ``skipped``, the ids of
-    prompts passed over for ``data.max_prompt_tokens`` to ``too_long``.
-
-    Raises:
-        PromptError: the source is missing, empty or malformed.
-        ConfigError: fewer prompts than asked for (within the length limit).
-    """
-    prompts = load_prompts(cfg.data.source, cfg.data.path, on_bad_line=cfg.data.on_bad_line, skipped=skipped)
-    limit = prompt_length_limit(cfg)
-
-    def keep(prompt: Prompt) -> bool:
-        if limit(prompt):
-            return True
-        if too_long is not None:
-            too_long.append(prompt.id)
-        return False
-
-    return split_prompts(prompts, num_train=cfg.generate.num_prompts, num_eval=cfg.evaluate.num_prompts,
-                         seed=cfg.data.seed, keep=keep if limit else None)
-
-
-def prompt_length_limit(cfg: Config) -> Callable[[Prompt], bool] | None:
-    """``data.max_prompt_tokens`` as a test on one prompt (its token count with the target's chat template),
-    or None without a limit. Loads the target's tokenizer only."""
-    limit = cfg.data.max_prompt_tokens
-    if limit is None:
-        if cfg.data.source == "sharegpt":  # data=sharegpt sets 512; data.source=sharegpt on another group does not
-            log.warning("data.source=sharegpt without data.max_prompt_tokens: ShareGPT prompts of thousands of "
-                        "tokens pad their whole generate batch to their length; data=sharegpt (or "
-                        "data.max_prompt_tokens=512) passes them over")
-        return None
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)
-    return lambda prompt: len(encode_prompt(tokenizer, prompt)) <= limit
 
 
 def _shard_key(fingerprint: str, cfg: Config) -> str:
@@ -310,11 +267,3 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     )
 
 
-def load_generated(run_dir: Path) -> tuple[Dataset, list[Prompt], dict]:
-    """The dataset, held-out prompts and manifest of a finished generate run."""
-    from distill.rundir import read_manifest, require_complete
-
-    run_dir = require_complete(run_dir, "generate")
-    dataset = load_from_disk(str(run_dir / DATASET_DIR))
-    held_out = [Prompt(**json.loads(line)) for line in (run_dir / EVAL_PROMPTS).read_text().splitlines() if line]
-    return dataset, held_out, read_manifest(run_dir)

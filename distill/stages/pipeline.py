@@ -17,17 +17,19 @@ import torch
 from transformers import AutoTokenizer
 
 from distill.config import Config
+from distill.data.prompts import load_prompts
+from distill.data.training_data import resolve_extra_generate
+from distill.drafters.setup import check_drafter_tokens, check_layers_exist, check_qlora, check_tokenizers
 from distill.errors import ConfigError
-from distill.stages.evaluate import REPORT_MD, run_evaluate
+from distill.files import write_json_atomic
+from distill.measure.report import REPORT_MD, write_report_markdown
+from distill.models.loading import resolve_model
+from distill.runs import read_manifest, require_complete
+from distill.stages.distill import run_distill
+from distill.stages.evaluate import run_evaluate
 from distill.stages.export import EXPORT_DIR, check_export_destination, run_export
 from distill.stages.generate import run_generate
-from distill.models.loading import resolve_model
-from distill.data.prompts import load_prompts
-from distill.measure.report import write_report_markdown
 from distill.training.resume import named_checkpoint
-from distill.rundir import read_manifest, require_complete, write_json_atomic
-from distill.stages.distill import check_drafter_tokens, check_layers_exist, check_qlora, check_tokenizers, run_distill
-from distill.data.training_data import resolve_extra_generate
 
 
 def _release_memory() -> None:

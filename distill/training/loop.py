@@ -44,11 +44,13 @@ from torch.utils.data import DataLoader, Sampler
 from decode.acceptance import TeacherForced, simulate_greedy
 from decode.metrics import DecodeStats
 from decode.teacher_forcing import drafter_predictions
+from distill.config import DistillConfig
+from distill.drafters.build import state_dict_bytes
 from distill.errors import DiskFullError, DraftsmithError, OutOfMemoryError, out_of_memory_bytes
-from distill.training.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
+from distill.files import human_bytes, make_shareable, require_free_space, write_text_atomic
 from distill.hardware import resolve_mixed_precision
 from distill.models.reduced_vocab import draft_vocabulary_of, restrict_logits
-from distill.rundir import human_bytes, make_shareable, require_free_space, write_text_atomic
+from distill.training.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
 
 log = logging.getLogger(__name__)
 
@@ -68,36 +70,28 @@ class LossSpec:
     jsd_beta: float = 0.5
     temperature: float = 1.0
 
+    def __post_init__(self) -> None:
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"loss must be one of {LOSS_KINDS}, got {self.kind!r}")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ValueError(f"jsd_beta must be in [0, 1], got {self.jsd_beta}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
 
 def train_drafter(
     drafter: torch.nn.Module,
     target: torch.nn.Module,
     examples: Sequence[dict],
+    settings: DistillConfig,
     *,
-    loss: str = "fkl",
-    jsd_beta: float = 0.5,
-    temperature: float = 1.0,
-    lr: float = 2e-4,
-    max_steps: int = 100,
-    batch_size: int = 4,
-    grad_accum: int = 1,
-    max_seq_len: int = 512,
-    warmup_steps: int = 0,
-    weight_decay: float = 0.0,
-    seed: int = 0,
     output_dir: Path,
-    checkpoint_every: int = 0,
     resume_from: Path | None = None,
     val_examples: Sequence[dict] | None = None,
     pad_token_id: int | None = None,
     logger: Any = None,
     progress: bool = True,
-    mixed_precision: str = "no",
-    on_policy_fraction: float = 0.0,
-    on_policy_temperature: float = 1.0,
     eos_token_ids: Sequence[int] = (),
-    keep_checkpoints: int = 0,
-    validate_every: int = 0,
     validation_draft_length: int = 0,
 ) -> dict[str, Any]:
     """Distil ``target`` into ``drafter`` on the target's answers; the drafter is trained in place.
@@ -136,24 +130,26 @@ def train_drafter(
             prompt loses tokens from the left (keeping at least half the window when the
             completion is long), the completion from the right. Examples left without a
             completion position are skipped with a warning.
-        loss, jsd_beta, temperature: the divergence, see :func:`distill.training.losses.distillation_loss`.
-        lr: peak learning rate. max_steps: optimizer steps in total (including resumed ones).
-        batch_size: examples per micro-batch. grad_accum: micro-batches per optimizer step.
-        max_seq_len: tokens per sequence (prompt + completion), >= 2.
-        warmup_steps: linear warmup steps. weight_decay: AdamW decoupled weight decay.
-        seed: data order and (on a fresh start) ``accelerate.utils.set_seed``; >= 0.
+        settings: ``distill.*`` (:class:`distill.config.DistillConfig`, range-checked when built). The
+            loop reads: ``loss``, ``jsd_beta``, ``temperature`` (the divergence, see
+            :func:`distill.training.losses.distillation_loss`); ``lr`` (peak); ``max_steps`` (optimizer
+            steps in total, resumed ones included); ``batch_size`` (examples per micro-batch);
+            ``grad_accum`` (micro-batches per step); ``max_seq_len`` (prompt + completion tokens);
+            ``warmup_steps``; ``weight_decay`` (AdamW, decoupled); ``seed`` (data order and, on a fresh
+            start, ``accelerate.utils.set_seed``); ``checkpoint_every`` (0 = only at the end; the last
+            step always saves); ``keep_checkpoints`` (newest N kept, 0 = all; older ones are deleted
+            after a newer one is complete); ``validate_every``; ``mixed_precision``;
+            ``on_policy_fraction`` and ``on_policy_temperature``. The other fields (method, LoRA,
+            resume, target_source) are the caller's: they decide the drafter, ``resume_from`` and the
+            examples handed in.
         output_dir: folder for ``metrics.jsonl`` and checkpoints (created).
-        checkpoint_every: save every N steps (0 = only at the end); the last step always saves.
-        keep_checkpoints: keep only the newest N ``checkpoint-<step>`` folders (0 = all); older
-            ones are deleted after a newer one is complete.
         resume_from: a ``checkpoint-<step>`` folder of an earlier run with the same examples,
             seed, batch_size and grad_accum; ``drafter`` must be built the same way (its
             weights are overwritten from the checkpoint). ``max_steps`` and ``warmup_steps`` may
             change (the schedule is re-evaluated at the saved step, so a finished run can be
             extended); the peak ``lr`` is the checkpoint's (it lives in the scheduler state).
         val_examples: held-out examples; if given, :func:`validate` runs before and after.
-        validate_every: with ``val_examples``, also validate every N optimizer steps (0 = before
-            and after only). Every validation (step 0 = before, the last step = after) is a line
+        Validation (with ``val_examples``; ``settings.validate_every`` N > 0 adds every N optimizer steps): Every validation (step 0 = before, the last step = after) is a line
             of ``output_dir/validation.jsonl``: ``step``, ``val_loss``, ``val_expected_acceptance``,
             ``val_top1_agreement`` (and ``val_simulated_tau``, ``val_simulated_acceptance``); the logger
             gets the same figures. The curve shows where more steps stop helping (the training loss
@@ -164,18 +160,18 @@ def train_drafter(
             ``config.pad_token_id``, else its ``eos_token_id``, else 0.
         logger: optional object with ``log(metrics: dict, step: int)``.
         progress: show a tqdm bar (loss, completion tokens/s, expected acceptance).
-        mixed_precision: ``"no"``, ``"bf16"``, ``"fp16"`` or ``"auto"``: accelerate runs the drafter's
+        ``settings.mixed_precision`` (``"no"``, ``"bf16"``, ``"fp16"`` or ``"auto"``): accelerate runs the drafter's
             forward under autocast (weights and optimizer stay float32). bf16 is about 2x faster on
             CPUs with AMX/AVX512-BF16 and on GPUs, and ~40x slower in the backward pass on CPUs
             without them (a scalar fallback); ``"auto"`` picks bf16 only where
             :func:`distill.models.loading.bf16_is_fast`.
-        on_policy_fraction: lambda of GKD (Agarwal et al. 2024, Algorithm 1), in [0, 1]: each
+        ``settings.on_policy_fraction``: lambda of GKD (Agarwal et al. 2024, Algorithm 1), in [0, 1]: each
             micro-batch is, with this probability, answered by the drafter itself (sampled at
             ``on_policy_temperature``, as many new tokens as the longest stored answer of the
             batch) and the target scores those tokens; otherwise the stored answers are used.
             The draw is seeded by (seed, step, micro-batch), so a resumed run repeats it.
             Needs the online target (``target`` not None) and a divergence loss (not ``"ce"``).
-        on_policy_temperature: > 0, the drafter's sampling temperature for on-policy answers.
+        ``settings.on_policy_temperature``: > 0, the drafter's sampling temperature for on-policy answers.
         eos_token_ids: ids that end an on-policy answer (default: the drafter's
             ``generation_config.eos_token_id``).
 
@@ -198,18 +194,19 @@ def train_drafter(
         ValueError: an argument out of range.
     """
     _WARNED.clear()  # once per training run (a multirun sweep runs its jobs in one process)
-    spec = LossSpec(loss, jsd_beta, temperature)
-    _check_args(spec, lr=lr, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum,
-                max_seq_len=max_seq_len, warmup_steps=warmup_steps, seed=seed,
-                checkpoint_every=checkpoint_every)
+    d = settings
+    loss, max_steps, batch_size, grad_accum, max_seq_len = d.loss, d.max_steps, d.batch_size, d.grad_accum, d.max_seq_len
+    seed, checkpoint_every, keep_checkpoints, validate_every = d.seed, d.checkpoint_every, d.keep_checkpoints, d.validate_every
+    on_policy_fraction, on_policy_temperature = d.on_policy_fraction, d.on_policy_temperature
+    spec = LossSpec(d.loss, d.jsd_beta, d.temperature)
     _check_target_source(examples, target, loss, on_policy_fraction, on_policy_temperature)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     pad_token_id = _default_pad_id(target if target is not None else drafter) if pad_token_id is None else pad_token_id
-    run = _setup(drafter, target, examples, spec=spec, lr=lr, max_steps=max_steps, batch_size=batch_size,
-                 grad_accum=grad_accum, max_seq_len=max_seq_len, warmup_steps=warmup_steps,
-                 weight_decay=weight_decay, seed=seed, resume_from=resume_from, pad_token_id=pad_token_id,
-                 mixed_precision=mixed_precision)
+    run = _setup(drafter, target, examples, spec=spec, lr=d.lr, max_steps=max_steps, batch_size=batch_size,
+                 grad_accum=grad_accum, max_seq_len=max_seq_len, warmup_steps=d.warmup_steps,
+                 weight_decay=d.weight_decay, seed=seed, resume_from=resume_from, pad_token_id=pad_token_id,
+                 mixed_precision=d.mixed_precision)
     accelerator, drafter, optimizer, scheduler = run.accelerator, run.drafter, run.optimizer, run.scheduler
     # every process checks (a refusal on the main one alone would leave the others waiting for it)
     _check_checkpoint_space(accelerator.unwrap_model(drafter), output_dir, start_step=run.start_step,
@@ -217,7 +214,7 @@ def train_drafter(
                             warn=accelerator.is_main_process)
     result: dict[str, Any] = {}
     before: dict | None = None
-    val_args = dict(loss=loss, jsd_beta=jsd_beta, temperature=temperature, batch_size=batch_size,
+    val_args = dict(loss=loss, jsd_beta=d.jsd_beta, temperature=d.temperature, batch_size=batch_size,
                     max_seq_len=max_seq_len, pad_token_id=pad_token_id, draft_length=validation_draft_length)
     if val_examples:
         # A resumed run reports the validation of the untrained drafter that its checkpoint carries,
@@ -380,7 +377,6 @@ def validate(
         DraftsmithError: no example has a completion position.
     """
     spec = LossSpec(loss, jsd_beta, temperature)
-    _check_args(spec)
     examples = _usable_examples(examples, max_seq_len, "validation")
     pad_token_id = _default_pad_id(target if target is not None else drafter) if pad_token_id is None else pad_token_id
     was_training = drafter.training
@@ -480,7 +476,7 @@ def collate(examples: Sequence[dict], *, pad_token_id: int, max_seq_len: int) ->
 
 
 @dataclass
-class _Run:
+class _TrainingSetup:
     accelerator: Any
     drafter: torch.nn.Module
     optimizer: Any
@@ -495,7 +491,7 @@ class _Run:
 
 
 def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_accum, max_seq_len,
-           warmup_steps, weight_decay, seed, resume_from, pad_token_id, mixed_precision="no") -> _Run:
+           warmup_steps, weight_decay, seed, resume_from, pad_token_id, mixed_precision="no") -> _TrainingSetup:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_linear_schedule_with_warmup
@@ -548,7 +544,7 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
         # re-evaluate the lr at the saved step under *this* schedule (max_steps may have grown)
         scheduler.last_epoch -= 1
         scheduler.step()
-    return _Run(accelerator, drafter, optimizer, scheduler, loader, params, state,
+    return _TrainingSetup(accelerator, drafter, optimizer, scheduler, loader, params, state,
                 start_step=state["step"] if state else 0, examples_seen=examples_seen,
                 tokens_seen=state["tokens_seen"] if state else 0, data_key=data_key)
 
@@ -650,16 +646,16 @@ def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tens
     target_logits = target_logits.to(student_logits.device).unsqueeze(0)
     mask = torch.ones(student_logits.shape[:2], dtype=torch.bool, device=student_logits.device)
     labels = batch["labels"][keep].unsqueeze(0)
-    acceptance_of = student_logits, target_logits, mask  # full vocabulary: a reduced drafter has q = 0 outside its set
+    full_vocab_logits = student_logits, target_logits, mask  # full vocabulary: a reduced drafter has q = 0 outside its set
     if (draft_ids := draft_vocabulary_of(drafter)) is not None:  # EAGLE-3: the loss on the draft vocabulary only
         student_logits, target_logits, labels, mask = restrict_logits(
             student_logits, target_logits, draft_ids, labels=labels if spec.kind == "ce" else None, mask=mask)
     loss = distillation_loss(student_logits, target_logits, mask, kind=spec.kind,
                              jsd_beta=spec.jsd_beta, temperature=spec.temperature, labels=labels)
     with torch.no_grad():
-        accept = expected_acceptance(acceptance_of[0].detach(), *acceptance_of[1:],
+        accept = expected_acceptance(full_vocab_logits[0].detach(), *full_vocab_logits[1:],
                                      temperature=spec.temperature).sum().item()
-        agree = float((acceptance_of[0].argmax(-1) == acceptance_of[1].argmax(-1)).sum())
+        agree = float((full_vocab_logits[0].argmax(-1) == full_vocab_logits[1].argmax(-1)).sum())
     return loss, accept, agree
 
 
@@ -779,7 +775,7 @@ def _prefixed(metrics: dict, when: str) -> dict:
 # save / resume
 
 
-def _save_checkpoint(run: _Run, output_dir: Path, *, step: int, examples_seen: int, tokens_seen: int,
+def _save_checkpoint(run: _TrainingSetup, output_dir: Path, *, step: int, examples_seen: int, tokens_seen: int,
                      validation_before: dict | None = None) -> Path:
     """Write ``checkpoint-<step>/`` atomically (temp folder, then rename) and return its path.
 
@@ -836,13 +832,7 @@ def checkpoint_bytes(drafter: torch.nn.Module) -> int:
     if hasattr(drafter, "peft_config"):
         weights = trainable
     else:
-        seen: set[int] = set()
-        weights = 0
-        for tensor in drafter.state_dict().values():
-            key = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else id(tensor)
-            if key not in seen:
-                seen.add(key)
-                weights += tensor.numel() * tensor.element_size()
+        weights = state_dict_bytes(drafter)
     # ~1 KiB per saved optimizer entry and 16 KiB of config, README and state files: only tiny models notice
     return weights + 2 * trainable + 1024 * len(trained) + 16 * 1024
 
@@ -961,22 +951,6 @@ def _set_rng_state(state: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
-
-
-def _check_args(spec: LossSpec, **kw) -> None:
-    if spec.kind not in LOSS_KINDS:
-        raise ValueError(f"loss must be one of {LOSS_KINDS}, got {spec.kind!r}")
-    if not 0.0 <= spec.jsd_beta <= 1.0:
-        raise ValueError(f"jsd_beta must be in [0, 1], got {spec.jsd_beta}")
-    if not spec.temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {spec.temperature}")
-    minimum = {"lr": 0.0, "max_steps": 1, "batch_size": 1, "grad_accum": 1, "max_seq_len": 2,
-               "warmup_steps": 0, "seed": 0, "checkpoint_every": 0}
-    for name, value in kw.items():
-        bad = value <= 0 if name == "lr" else value < minimum[name]
-        if bad or (isinstance(value, float) and not math.isfinite(value)):
-            limit = "> 0" if name == "lr" else f">= {minimum[name]}"
-            raise ValueError(f"{name} must be {limit}, got {value}")
 
 
 def _check_target_source(examples, target, loss: str, on_policy_fraction: float, temperature: float) -> None:

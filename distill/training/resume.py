@@ -19,7 +19,6 @@ that folder where it is (it may be a finished run) and copies its curves
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -27,11 +26,14 @@ import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import IO
 
+from distill import files
 from distill.config import Config
 from distill.errors import ConfigError
+from distill.files import write_json_atomic
 from distill.hardware import resolve_mixed_precision
-from distill.rundir import COMPLETE, run_damage, write_json_atomic
+from distill.runs import COMPLETE, run_damage
 from distill.training.loop import METRICS_FILE, STATE_FILE, VALIDATION_FILE
 
 log = logging.getLogger(__name__)
@@ -109,23 +111,13 @@ def latest_checkpoint(checkpoints: Path) -> Path | None:
     return None
 
 
-def hold_lock(run_dir: Path):
-    """Lock ``run_dir`` as training (an open file with an exclusive flock; released when the process dies)."""
-    handle = open(Path(run_dir) / LOCK, "w")
-    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return handle
+def hold_lock(run_dir: Path) -> IO[str]:
+    """Lock ``run_dir`` as training (:func:`distill.files.hold_lock` on its ``.distill.lock``).
 
-
-def _in_use(run_dir: Path) -> bool:
-    try:
-        with open(run_dir / LOCK, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(handle, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
+    Raises:
+        BlockingIOError: another live process trains in ``run_dir``.
+    """
+    return files.hold_lock(Path(run_dir) / LOCK)
 
 
 def find_resumable(outputs: Path, key: str, exclude: Path) -> tuple[Path, Path] | None:
@@ -133,7 +125,7 @@ def find_resumable(outputs: Path, key: str, exclude: Path) -> tuple[Path, Path] 
     candidates = []
     for marker in Path(outputs).glob(f"**/{RESUME_KEY}"):
         run = marker.parent
-        if run.resolve() == Path(exclude).resolve() or (run / COMPLETE).exists() or _in_use(run):
+        if run.resolve() == Path(exclude).resolve() or (run / COMPLETE).exists() or files.is_locked(run / LOCK):
             continue
         try:
             if json.loads(marker.read_text())["key"] != key:

@@ -1,4 +1,4 @@
-"""Run folders: manifests, completion markers, atomic writes, finding inputs.
+"""Run folders: manifests, completion markers, damage checks, finding a stage's input run.
 
 Every stage writes one folder holding ``config.yaml``, ``manifest.json`` and its
 outputs, and writes ``COMPLETE`` last. A later stage reads only folders that
@@ -7,169 +7,27 @@ carry the marker, so a killed run is never mistaken for a finished one.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
-import os
 import platform
 import resource
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
-from distill.errors import ConcurrentWriteError, DamagedRunError, DiskFullError, IncompleteRunError
+from distill.errors import DamagedRunError, IncompleteRunError
+from distill.files import human_bytes, write_json_atomic, write_text_atomic
 from distill.hardware import hardware
 
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
 _VERSIONED = ("torch", "transformers", "datasets", "peft", "accelerate", "hydra-core", "draftsmith")
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-def make_shareable(path: Path) -> None:
-    """Give ``path`` (a file, or a folder and everything in it) the modes a plain write would: ``mkstemp``
-    and ``mkdtemp`` create 0600/0700, and safetensors writes 0600, so an atomically written export would
-    otherwise be unreadable to other users (a serving account, a container)."""
-    path, umask = Path(path), _umask()
-    if path.is_file():
-        path.chmod(0o666 & ~umask)
-        return
-    path.chmod(0o777 & ~umask)
-    for child in path.rglob("*"):
-        child.chmod((0o777 if child.is_dir() else 0o666) & ~umask)
-
-
-def human_bytes(count: float) -> str:
-    """``count`` bytes in the unit that fits: ``512 bytes``, ``3.4 KiB``, ``12.0 MiB``, ``2.31 GiB``."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(count) >= size:
-            return f"{count / size:.2f} {unit}" if unit == "GiB" else f"{count / size:.1f} {unit}"
-    return f"{int(count)} bytes"
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        make_shareable(Path(tmp))
-        os.replace(tmp, path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _disk_full(err, path, len(text.encode())) from err
-        raise
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON, atomically."""
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-
-
-def _existing_parent(path: Path) -> Path:
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def require_free_space(path: Path, needed_bytes: int, what: str) -> None:
-    """Refuse before writing ``what`` (about ``needed_bytes``) to ``path`` if its file system has less free.
-
-    Raises:
-        DiskFullError: naming the path, the free and the needed bytes.
-    """
-    free = shutil.disk_usage(_existing_parent(path)).free
-    if free < needed_bytes:
-        raise DiskFullError(f"not enough disk space for {what} at {path}: about {human_bytes(needed_bytes)} "
-                            f"needed, {human_bytes(free)} free; free some space or point outputs= "
-                            f"(or export.path=) to another disk")
-
-
-def _disk_full(err: OSError, path: Path, needed_bytes: int | None) -> DiskFullError:
-    free = shutil.disk_usage(_existing_parent(path)).free
-    need = f"about {human_bytes(needed_bytes)} needed, " if needed_bytes else ""
-    return DiskFullError(f"the disk filled up while writing {path} ({need}{human_bytes(free)} free now; the "
-                         f"partial output was removed); free some space or point outputs= to another disk and run "
-                         f"the same command again")
-
-
-@contextmanager
-def atomic_dir(final: Path, needed_bytes: int | None = None) -> Iterator[Path]:
-    """Yield a temporary sibling folder, renamed to ``final`` when the block ends without error.
-
-    Args:
-        needed_bytes: the expected size of what goes in; checked against the free space first.
-
-    Raises:
-        FileExistsError: ``final`` already exists (the caller decides about overwriting first).
-        DiskFullError: too little free space before, or the disk filled up while writing.
-        ConcurrentWriteError: another process renamed a folder to ``final`` first.
-    """
-    final = Path(final)
-    if final.exists():
-        raise FileExistsError(f"{final} already exists")
-    if needed_bytes:
-        require_free_space(final.parent, needed_bytes, final.name)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
-    try:
-        yield tmp
-        make_shareable(tmp)
-        os.replace(tmp, final)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _disk_full(err, final, needed_bytes) from err
-        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise ConcurrentWriteError(f"{final} was written by another process while this one wrote it: two "
-                                       f"runs share outputs= and wrote the same folder. The other's copy was "
-                                       f"kept; run the same command again once it has finished") from err
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-@contextmanager
-def exclusive(folder: Path, waiting: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``folder`` (a ``.lock`` file in it, released when the process dies) for the
-    block; when another process holds it, print ``waiting`` and wait. Two runs that write the same shard cache
-    then take turns, and the second reuses what the first finished instead of writing the same shards."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(waiting, flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def peak_rss_bytes() -> int:
