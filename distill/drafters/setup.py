@@ -26,7 +26,7 @@ def initial_drafter(cfg: Config, dtype: str = "float32", lora: LoraSettings | No
     Args:
         quantize_4bit: load the base in bitsandbytes NF4 with double quantization and bf16
             compute (QLoRA, Dettmers et al. 2023, Sec. 3) and prepare it for k-bit training
-            (peft ``prepare_model_for_kbit_training``); needs CUDA (see :func:`check_qlora`).
+            (peft ``prepare_model_for_kbit_training``); needs CUDA (see :func:`check_training_hardware`).
 
     Returns:
         ``(model, tokenizer, resolved)`` of the drafter's base model.
@@ -72,13 +72,16 @@ def check_layers_exist(cfg: Config) -> None:
                           f"layers; use at most {total}")
 
 
-def check_qlora(cfg: Config) -> None:
-    """Refuse ``distill.method=qlora`` where it cannot run, before anything is loaded.
+def check_training_hardware(cfg: Config) -> None:
+    """Refuse fp16 training and ``distill.method=qlora`` where they cannot run, before anything is loaded.
 
     Raises:
-        ConfigError: no CUDA device, bitsandbytes missing, or a depth-pruned drafter
-            (``drafter.init=layers`` copies layers, which 4-bit weights do not allow).
+        ConfigError: ``distill.mixed_precision=fp16`` without CUDA; QLoRA without a CUDA device or without
+            bitsandbytes, or on a depth-pruned drafter (``drafter.init=layers`` copies layers, which 4-bit
+            weights do not allow).
     """
+    if cfg.distill.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=auto or no")
     if cfg.distill.method != "qlora":
         return
     if not torch.cuda.is_available():

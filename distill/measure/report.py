@@ -140,7 +140,13 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
 
 def render_report_markdown(report: dict[str, Any]) -> str:
     """A Markdown page: the before/after table, HF assisted baseline, per-category and per-position figures."""
-    base = report.get("baseline_drafter") or {}
+    sections = (_header, _timed_table, _validation_section, _hf_assisted_section, _draft_length_section,
+                _per_category_section, _per_position_section, _stages_section, _plots_and_notes)
+    return "\n".join(line for section in sections for line in section(report)) + "\n"
+
+
+def _header(report: dict[str, Any]) -> list[str]:
+    """The title, the run's one-line description, the training data and the simulated sections."""
     lines = [
         "# draftsmith evaluation report", "",
         f"Target `{report.get('target', {}).get('name')}`, drafter from `{report.get('drafter', {}).get('base_name')}` "
@@ -151,6 +157,13 @@ def render_report_markdown(report: dict[str, Any]) -> str:
     ]
     lines += _training_data(report)
     lines += _simulated_lines(report)
+    return lines
+
+
+def _timed_table(report: dict[str, Any]) -> list[str]:
+    """The timed decoding table: undistilled, distilled and any compared drafters side by side."""
+    base = report.get("baseline_drafter") or {}
+    lines: list[str] = []
     if report.get("simulated"):
         lines += [f"## Timed decoding on {report.get('num_prompts')} of the prompts (`evaluate.timed_prompts`)", ""]
     # evaluate.compare_drafters: other (untrained) drafters measured in the same run, one column each
@@ -167,6 +180,13 @@ def render_report_markdown(report: dict[str, Any]) -> str:
         lines += ["", "The columns after the distilled drafter are other drafters (`evaluate.compare_drafters`: "
                   + ", ".join(f"`{n}`" for n in others) + "), as given (not distilled by this run), measured in "
                   "this run on the same prompts with the same settings and target-alone baseline."]
+    return lines
+
+
+def _validation_section(report: dict[str, Any]) -> list[str]:
+    """Expected (teacher-forced, validation split) against measured and simulated acceptance."""
+    base = report.get("baseline_drafter") or {}
+    lines: list[str] = []
     val = report.get("distill_validation")
     if val:
         lines += ["", "## Expected vs measured acceptance", "",
@@ -193,6 +213,12 @@ def render_report_markdown(report: dict[str, Any]) -> str:
             lines += ["", f"Trained on the target's stored top-{val['stored_top_k']} log-probabilities: 1 - TV was "
                       f"computed on those {val['stored_top_k']} tokens plus one bucket for the rest, which is an "
                       "**upper bound** of the true value (far above it when k is small)."]
+    return lines
+
+
+def _hf_assisted_section(report: dict[str, Any]) -> list[str]:
+    """transformers' assisted generation with the same drafter and K, and the baseline's engine."""
+    lines: list[str] = []
     hf = (report.get("baselines") or {}).get("hf_assisted")
     if hf:
         lines += ["", "## Transformers assisted generation, same distilled drafter and K", "",
@@ -203,6 +229,12 @@ def render_report_markdown(report: dict[str, Any]) -> str:
     target_base = (report.get("baselines") or {}).get("target") or {}
     if target_base.get("engine"):
         lines += ["", f"Target alone measured with {target_base['engine']}."]
+    return lines
+
+
+def _draft_length_section(report: dict[str, Any]) -> list[str]:
+    """The recommended K and the expected speedup at every K."""
+    lines: list[str] = []
     choice = report.get("draft_length_choice")
     if choice:
         by_k = choice.get("expected_speedup_by_k") or {}
@@ -218,6 +250,12 @@ def render_report_markdown(report: dict[str, Any]) -> str:
                      "**No K is expected to beat the target alone with this pair on this machine.**"), "",
                   "| K | " + " | ".join(str(k) for k in by_k) + " |", "|---|" + "---|" * len(by_k),
                   "| expected speedup | " + " | ".join(_fmt(v, "{:.2f}x") for v in by_k.values()) + " |"]
+    return lines
+
+
+def _per_category_section(report: dict[str, Any]) -> list[str]:
+    """The distilled drafter's figures per prompt category."""
+    lines: list[str] = []
     per_cat = report.get("per_category") or {}
     if per_cat:
         lines += ["", "## Per prompt category (distilled drafter)", "",
@@ -229,6 +267,13 @@ def render_report_markdown(report: dict[str, Any]) -> str:
                          f"{_fmt(fig.get('speculative_tokens_per_s'), '{:.2f}')} | {_fmt(fig.get('speedup'), '{:.2f}x')} | "
                          f"{_fmt(fig.get('theoretical_speedup'), '{:.2f}x')} | "
                          f"{_fmt(fig.get('measured_over_theoretical'), '{:.2f}')} |")
+    return lines
+
+
+def _per_position_section(report: dict[str, Any]) -> list[str]:
+    """P(accepted | reached) by draft position, undistilled against distilled."""
+    base = report.get("baseline_drafter") or {}
+    lines: list[str] = []
     pos = report.get("per_position_acceptance")
     if pos:
         base_pos = base.get("per_position_acceptance") or [None] * len(pos)
@@ -236,6 +281,12 @@ def render_report_markdown(report: dict[str, Any]) -> str:
                   "| position | undistilled | distilled |", "|---|---|---|"]
         for i, (b, t) in enumerate(zip(base_pos, pos), start=1):
             lines.append(f"| {i} | {_fmt(b, '{:.3f}')} | {_fmt(t, '{:.3f}')} |")
+    return lines
+
+
+def _stages_section(report: dict[str, Any]) -> list[str]:
+    """Wall time and peak memory of each pipeline stage."""
+    lines: list[str] = []
     stages = report.get("stages")
     if stages:
         lines += ["", "## Pipeline stages", "", "| stage | wall time (s) | process peak RSS so far (GiB) |", "|---|---|---|"]
@@ -244,13 +295,19 @@ def render_report_markdown(report: dict[str, Any]) -> str:
                     f"{name} (reused: {fig['reused']}, not trained again)" if fig.get("reused") else name)
             lines.append(f"| {name} | {_fmt(fig.get('wall_s'), '{:.1f}')} | "
                          f"{_fmt((fig.get('peak_rss_bytes') or 0) / 2**30, '{:.2f}')} |")
+    return lines
+
+
+def _plots_and_notes(report: dict[str, Any]) -> list[str]:
+    """The PNG plots and the report's notes."""
+    lines: list[str] = []
     plots = report.get("plots") or []
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     notes = report.get("notes") or []
     if notes:
         lines += ["", "Notes:"] + [f"- {note}" for note in notes]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: Path | None = None) -> list[Path]:

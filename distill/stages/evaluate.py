@@ -182,7 +182,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     if not cfg.inputs.distill:  # with reused runs the newest is not always the last command's: say which
         print(f"evaluate: evaluating {distill_dir}, the newest finished distill run under {cfg.outputs} "
               "(inputs.distill=<run> picks another)")
-    trained_on = Path(read_manifest(distill_dir)["inputs"]["generate"])
+    distill_manifest = read_manifest(distill_dir)
+    trained_on = Path(distill_manifest["inputs"]["generate"])
     gen_dir = require_complete(cfg.inputs.generate, "generate") if cfg.inputs.generate else trained_on
     _, held_out, gen_manifest = load_generated(gen_dir)
     held_out = evaluation_prompts(cfg, held_out, gen_dir)  # a bad evaluate.prompts file fails here, before loading
@@ -201,14 +202,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
 
     eos = eos_token_ids(target, tokenizer)
     prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in held_out]
-    eval_set = {"source": str(cfg.evaluate.prompts) if cfg.evaluate.prompts else "held-out",
-                **({} if cfg.evaluate.prompts or gen_dir == trained_on else {"generate": str(gen_dir)})}
-    # held-out prompts of another generate run (inputs.generate) may have been training prompts of this drafter
-    eval_set["seen_in_training"] = prompts_seen_in_training([p[2] for p in prompts], distill_dir)
-    if eval_set["seen_in_training"]:
-        print(f"evaluate: warning: {eval_set['seen_in_training']} of the {len(prompts)} prompts of "
-              f"{cfg.evaluate.prompts or gen_dir} were in the data this drafter was distilled on: their figures "
-              "flatter it (evaluate the generate run it was trained on, or name unseen prompts: evaluate.prompts=)")
+    eval_set = _evaluation_set(cfg, prompts, distill_dir, gen_dir, trained_on)
     dec = cfg.decode
     decode_args = dict(max_new_tokens=dec.max_new_tokens, eos_token_ids=eos, temperature=dec.temperature,
                        top_k=dec.top_k, top_p=dec.top_p, seed=cfg.evaluate.seed,
@@ -217,21 +211,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                     confidence_threshold=dec.confidence_threshold, target_engine=cfg.evaluate.target_engine,
                     **decode_args)
 
-    base, draft_vocab = None, None
-    if cfg.evaluate.baseline:  # loaded first: a bad drafter config fails before the long runs
-        # the drafter this run started from (its drafter_info), not whatever drafter.* says now
-        base, base_tok, _ = initial_drafter(_as_distilled(cfg, info), dtype=cfg.drafter.dtype)
-        check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
-        draft_vocab = draft_vocabulary_of(tuned)
-        if draft_vocab is not None:
-            # the same reduced head (rows of the untrained head): before vs after differs by training alone
-            reduce_vocabulary(base, draft_vocab.clone())
-        base.eval()
-    others = {}
-    for name in cfg.evaluate.compare_drafters:  # loaded up front too, for the same reason
-        other, other_tok, _ = load_model(name, dtype=cfg.drafter.dtype)
-        check_tokenizers(tokenizer, other_tok, cfg.target.name, name)
-        others[name] = other
+    base, draft_vocab, others = _reference_drafters(cfg, info, tuned, tokenizer)
     vocab = min(m.get_output_embeddings().out_features
                 for m in (target, tuned, base, *others.values()) if m is not None)
     busy = machine_busy("evaluate")
@@ -263,8 +243,63 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA",
         "prompt_ids": [p[0] for p in prompts],
         "eval_prompts": eval_set,  # held-out (the generate run's) or evaluate.prompts, with its training overlap
-        "distill_inputs": read_manifest(distill_dir).get("inputs", {}),  # the generate runs it was trained on
+        "distill_inputs": distill_manifest.get("inputs", {}),  # the generate runs it was trained on
     })
+    _add_notes(cfg, report, quantization, busy, gen_manifest)
+    _add_distill_validation(report, distill_manifest)
+    plots = write_report_plots(report, run_dir, training_metrics=distill_dir / "checkpoints" / "metrics.jsonl")
+    report["plots"] = [str(p) for p in plots]
+    report_path = run_dir / REPORT_JSON
+    write_json_atomic(report_path, report)
+    _log_report(cfg, run_dir, report, plots)
+    write_report_markdown(report, run_dir / REPORT_MD)
+    run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
+                 acceptance_rate=report.get("acceptance_rate"))
+    return report_path
+
+
+def _evaluation_set(cfg: Config, prompts: list, distill_dir: Path, gen_dir: Path, trained_on: Path) -> dict[str, Any]:
+    """Where the prompts come from, and how many of them were in this drafter's training data (warned)."""
+    eval_set = {"source": str(cfg.evaluate.prompts) if cfg.evaluate.prompts else "held-out",
+                **({} if cfg.evaluate.prompts or gen_dir == trained_on else {"generate": str(gen_dir)})}
+    # held-out prompts of another generate run (inputs.generate) may have been training prompts of this drafter
+    eval_set["seen_in_training"] = prompts_seen_in_training([p[2] for p in prompts], distill_dir)
+    if eval_set["seen_in_training"]:
+        print(f"evaluate: warning: {eval_set['seen_in_training']} of the {len(prompts)} prompts of "
+              f"{cfg.evaluate.prompts or gen_dir} were in the data this drafter was distilled on: their figures "
+              "flatter it (evaluate the generate run it was trained on, or name unseen prompts: evaluate.prompts=)")
+    return eval_set
+
+
+def _reference_drafters(cfg: Config, info: dict[str, Any], tuned, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
+    """The undistilled drafter (``evaluate.baseline``; the same reduced head as the tuned one, if any) and
+    ``evaluate.compare_drafters``: ``(base or None, draft vocabulary or None, {name: model})``. Loaded before
+    the long runs, so that a bad drafter config fails first.
+
+    Raises:
+        TokenizerMismatchError: a drafter's tokenizer does not match the target's.
+    """
+    base, draft_vocab = None, None
+    if cfg.evaluate.baseline:  # loaded first: a bad drafter config fails before the long runs
+        # the drafter this run started from (its drafter_info), not whatever drafter.* says now
+        base, base_tok, _ = initial_drafter(_as_distilled(cfg, info), dtype=cfg.drafter.dtype)
+        check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
+        draft_vocab = draft_vocabulary_of(tuned)
+        if draft_vocab is not None:
+            # the same reduced head (rows of the untrained head): before vs after differs by training alone
+            reduce_vocabulary(base, draft_vocab.clone())
+        base.eval()
+    others = {}
+    for name in cfg.evaluate.compare_drafters:  # loaded up front too, for the same reason
+        other, other_tok, _ = load_model(name, dtype=cfg.drafter.dtype)
+        check_tokenizers(tokenizer, other_tok, cfg.target.name, name)
+        others[name] = other
+    return base, draft_vocab, others
+
+
+def _add_notes(cfg: Config, report: dict[str, Any], quantization: str, busy: float | None,
+               gen_manifest: dict[str, Any]) -> None:
+    """The report's notes: what its figures mean, and what may have made them lower or noisier."""
     report["notes"] = [
         "mean_accepted_tokens: tokens emitted per target forward = accepted draft tokens + 1 "
         "(the target's correction or bonus token)",
@@ -292,19 +327,14 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             f"{cfg.target.dtype} the target's verification forward over K+1 tokens rounds differently from "
             f"one-token decoding, so a near-tie between two tokens can flip; transformers' assisted generation "
             f"shows the same. Exactness holds in float32 (target.dtype=float32; tested)")
-    train = read_manifest(distill_dir).get("train") or {}
+
+
+def _add_distill_validation(report: dict[str, Any], distill_manifest: dict[str, Any]) -> None:
+    """The training-time validation figures beside the decoder's, to judge how well they predict acceptance."""
+    train = distill_manifest.get("train") or {}
     if "val_expected_acceptance_after" in train:
         # the training-time metric beside the decoder's measurement, to judge how well it predicts acceptance
         report["distill_validation"] = {k: train.get(k) for k in (
             "val_expected_acceptance_before", "val_expected_acceptance_after", "val_loss_before", "val_loss_after",
             "val_top1_agreement_before", "val_top1_agreement_after", "val_simulated_tau_before",
             "val_simulated_tau_after", "val_simulated_draft_length", "stored_top_k")}
-    plots = write_report_plots(report, run_dir, training_metrics=distill_dir / "checkpoints" / "metrics.jsonl")
-    report["plots"] = [str(p) for p in plots]
-    report_path = run_dir / REPORT_JSON
-    write_json_atomic(report_path, report)
-    _log_report(cfg, run_dir, report, plots)
-    write_report_markdown(report, run_dir / REPORT_MD)
-    run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
-                 acceptance_rate=report.get("acceptance_rate"))
-    return report_path

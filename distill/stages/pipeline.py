@@ -13,13 +13,12 @@ import gc
 import json
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from distill.config import Config
 from distill.data.prompts import load_prompts
 from distill.data.training_data import resolve_extra_generate
-from distill.drafters.setup import check_drafter_tokens, check_layers_exist, check_qlora, check_tokenizers
+from distill.drafters.setup import check_drafter_tokens, check_layers_exist, check_training_hardware, check_tokenizers
 from distill.errors import ConfigError
 from distill.files import write_json_atomic
 from distill.measure.report import REPORT_MD, write_report_markdown
@@ -53,12 +52,10 @@ def preflight(cfg: Config, export_run: Path) -> None:
         DraftsmithError: the export destination is taken.
         TokenizerMismatchError: target and drafter cannot share tokens (tokenizers only, no weights loaded).
     """
-    if cfg.distill.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=auto or no")
     if cfg.distill.target_source == "stored" and cfg.generate.store_top_k == 0:
         raise ConfigError("distill.target_source=stored trains on the target's stored top-k log-probs: "
                           "add generate.store_top_k=20")
-    check_qlora(cfg)
+    check_training_hardware(cfg)
     check_export_destination(Path(cfg.export.path) if cfg.export.path else export_run / EXPORT_DIR,
                              cfg.export.overwrite)
     target = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)

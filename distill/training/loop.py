@@ -7,7 +7,7 @@ token sequences the drafter sees.
 
 Layout, torchtune-style (``recipes/knowledge_distillation_single_device.py``): setup
 (:func:`_setup`) -> loss step (:func:`_loss_step`) -> train loop (:func:`train_drafter`) ->
-save (:func:`_save_checkpoint`). Logging happens in :func:`_log_step`, outside the loop body.
+save (:func:`_save_checkpoint`). Figures go through one :class:`_Sink`, outside the loop body.
 
 Files written under ``output_dir``:
 
@@ -149,8 +149,9 @@ def train_drafter(
             change (the schedule is re-evaluated at the saved step, so a finished run can be
             extended); the peak ``lr`` is the checkpoint's (it lives in the scheduler state).
         val_examples: held-out examples; if given, :func:`validate` runs before and after.
-        Validation (with ``val_examples``; ``settings.validate_every`` N > 0 adds every N optimizer steps): Every validation (step 0 = before, the last step = after) is a line
-            of ``output_dir/validation.jsonl``: ``step``, ``val_loss``, ``val_expected_acceptance``,
+        Validation (with ``val_examples``; ``settings.validate_every`` N > 0 adds every N optimizer
+            steps): every validation (step 0 = before, the last step = after) is a line of
+            ``output_dir/validation.jsonl``: ``step``, ``val_loss``, ``val_expected_acceptance``,
             ``val_top1_agreement`` (and ``val_simulated_tau``, ``val_simulated_acceptance``); the logger
             gets the same figures. The curve shows where more steps stop helping (the training loss
             keeps falling when a small dataset is memorised).
@@ -195,145 +196,186 @@ def train_drafter(
     """
     _WARNED.clear()  # once per training run (a multirun sweep runs its jobs in one process)
     d = settings
-    loss, max_steps, batch_size, grad_accum, max_seq_len = d.loss, d.max_steps, d.batch_size, d.grad_accum, d.max_seq_len
-    seed, checkpoint_every, keep_checkpoints, validate_every = d.seed, d.checkpoint_every, d.keep_checkpoints, d.validate_every
-    on_policy_fraction, on_policy_temperature = d.on_policy_fraction, d.on_policy_temperature
     spec = LossSpec(d.loss, d.jsd_beta, d.temperature)
-    _check_target_source(examples, target, loss, on_policy_fraction, on_policy_temperature)
+    _check_target_source(examples, target, d.loss, d.on_policy_fraction, d.on_policy_temperature)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    pad_token_id = _default_pad_id(target if target is not None else drafter) if pad_token_id is None else pad_token_id
-    run = _setup(drafter, target, examples, spec=spec, lr=d.lr, max_steps=max_steps, batch_size=batch_size,
-                 grad_accum=grad_accum, max_seq_len=max_seq_len, warmup_steps=d.warmup_steps,
-                 weight_decay=d.weight_decay, seed=seed, resume_from=resume_from, pad_token_id=pad_token_id,
+    if pad_token_id is None:
+        pad_token_id = _default_pad_id(target if target is not None else drafter)
+    # 1. setup: accelerator, optimizer, schedule, data stream, the checkpoint's state
+    run = _setup(drafter, target, examples, spec=spec, lr=d.lr, max_steps=d.max_steps, batch_size=d.batch_size,
+                 grad_accum=d.grad_accum, max_seq_len=d.max_seq_len, warmup_steps=d.warmup_steps,
+                 weight_decay=d.weight_decay, seed=d.seed, resume_from=resume_from, pad_token_id=pad_token_id,
                  mixed_precision=d.mixed_precision)
-    accelerator, drafter, optimizer, scheduler = run.accelerator, run.drafter, run.optimizer, run.scheduler
     # every process checks (a refusal on the main one alone would leave the others waiting for it)
-    _check_checkpoint_space(accelerator.unwrap_model(drafter), output_dir, start_step=run.start_step,
-                            max_steps=max_steps, checkpoint_every=checkpoint_every, keep=keep_checkpoints,
-                            warn=accelerator.is_main_process)
+    _check_checkpoint_space(run.accelerator.unwrap_model(run.drafter), output_dir, start_step=run.start_step,
+                            max_steps=d.max_steps, checkpoint_every=d.checkpoint_every, keep=d.keep_checkpoints,
+                            warn=run.accelerator.is_main_process)
+    val_args = dict(loss=d.loss, jsd_beta=d.jsd_beta, temperature=d.temperature, batch_size=d.batch_size,
+                    max_seq_len=d.max_seq_len, pad_token_id=pad_token_id, draft_length=validation_draft_length)
     result: dict[str, Any] = {}
     before: dict | None = None
-    val_args = dict(loss=loss, jsd_beta=d.jsd_beta, temperature=d.temperature, batch_size=batch_size,
-                    max_seq_len=max_seq_len, pad_token_id=pad_token_id, draft_length=validation_draft_length)
     if val_examples:
         # A resumed run reports the validation of the untrained drafter that its checkpoint carries,
         # not of the half-trained one it restarts from.
         before = (run.state or {}).get("validation_before")
         if before is None:
-            before = _prefixed(validate(drafter, target, val_examples, **val_args), "before")
+            before = _prefixed(validate(run.drafter, target, val_examples, **val_args), "before")
         result.update(before)
-
     batches = iter(run.loader)  # before restoring the RNG: creating an iterator may draw from it
     if run.state is not None:
         _set_rng_state(run.state["rng"])
-    # Several processes (DDP): only the main one writes metrics, logs and shows a bar; every process
-    # keeps the same history (the records hold all processes' figures).
-    is_main = accelerator.is_main_process
-    if run.start_step >= max_steps:
+    if run.start_step >= d.max_steps:
         log.warning("the checkpoint is at step %d, at or past max_steps=%d: nothing left to train (raise "
-                    "distill.max_steps to continue)", run.start_step, max_steps)
-    history = _restart_metrics(output_dir, run.start_step, write=is_main)
-    _restart_jsonl(output_dir / VALIDATION_FILE, run.start_step, write=is_main)
-
-    def log_validation(step: int, figures: dict) -> None:
-        record = {"step": step, **{f"val_{k}": v for k, v in figures.items() if k in _VAL_FIGURES}}
-        if is_main:
-            with (output_dir / VALIDATION_FILE).open("a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
-            if logger is not None:
-                logger.log({k: v for k, v in record.items() if k != "step"}, step=step)
-            if progress:
-                bar.write(f"validation at step {step}: " + ", ".join(
-                    f"{k[4:]} {v:.4f}" for k, v in record.items() if k != "step"))
-
-    metrics_file = (output_dir / METRICS_FILE).open("a", encoding="utf-8") if is_main else None
-    logger = logger if is_main else None
-    bar = _progress_bar(progress and is_main, run.start_step, max_steps)
+                    "distill.max_steps to continue)", run.start_step, d.max_steps)
+    sink = _Sink(output_dir, logger, progress, run.start_step, d.max_steps, run.accelerator.is_main_process)
     if before is not None and run.start_step == 0:  # "val_loss_before" -> "loss": the curve's step 0
-        log_validation(0, {k[len("val_"):-len("_before")]: v for k, v in before.items()})
-    examples_seen, tokens_seen = run.examples_seen, run.tokens_seen
+        sink.validation(0, {k[len("val_"):-len("_before")]: v for k, v in before.items()})
+    seen = {"examples": run.examples_seen, "tokens": run.tokens_seen, "this_call": 0}
     checkpoint = Path(resume_from) if resume_from is not None else None
-    call_tokens, t_start = 0, time.perf_counter()
+    t_start = time.perf_counter()
+    # 3. train: one optimizer step per iteration, a checkpoint and a validation where due
     try:
-        for step in range(run.start_step + 1, max_steps + 1):
-            t0, lr_now, grad_norm = time.perf_counter(), scheduler.get_last_lr()[0], float("nan")
-            micro_batches = [next(batches) for _ in range(grad_accum)]
-            if on_policy_fraction > 0:
-                micro_batches = [
-                    _on_policy_batch(accelerator.unwrap_model(drafter), batch, pad_token_id=pad_token_id,
-                                     eos_token_ids=eos_token_ids, temperature=on_policy_temperature,
-                                     max_seq_len=max_seq_len)
-                    if _draw(seed, step, i) < on_policy_fraction else batch
-                    for i, batch in enumerate(micro_batches)]
-            step_tokens = sum(int(b["loss_mask"].sum()) for b in micro_batches)
-            # DDP averages gradients over processes: weighting by the tokens of *all* processes (times
-            # their number) makes the synchronised step the token-weighted mean over every process's tokens
-            all_tokens = int(_sum_over_processes(accelerator, [step_tokens])[0])
-            loss_sum = accept_sum = agree_sum = 0.0
-            for batch in micro_batches:
-                with accelerator.accumulate(drafter), _memory_guard(step, batch, batch_size, grad_accum, checkpoint):
-                    loss_value, accept, agree = _loss_step(drafter, target, batch, spec)
-                    _check_finite("distillation loss", loss_value.item(), step, checkpoint)
-                    tokens = int(batch["loss_mask"].sum())
-                    # accelerate divides by grad_accum; this makes the step the token-weighted mean
-                    accelerator.backward(loss_value * (tokens * grad_accum * accelerator.num_processes
-                                                       / max(all_tokens, 1)))
-                    if accelerator.sync_gradients:
-                        grad_norm = float(accelerator.clip_grad_norm_(run.params, MAX_GRAD_NORM))
-                        _check_finite("gradient norm", grad_norm, step, checkpoint)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                loss_sum += loss_value.item() * tokens
-                accept_sum += accept
-                agree_sum += agree
-            # figures of the whole step, all processes together (the stream advances by all their batches)
-            loss_sum, accept_sum, agree_sum = _sum_over_processes(accelerator, [loss_sum, accept_sum, agree_sum])
-            step_tokens = all_tokens
-            examples_seen += batch_size * grad_accum * accelerator.num_processes
-            tokens_seen += step_tokens
-            call_tokens += step_tokens
-            record = {"step": step, "loss": loss_sum / max(step_tokens, 1), "lr": lr_now, "tokens": step_tokens,
-                      "tokens_per_s": step_tokens / max(time.perf_counter() - t0, 1e-9),
-                      "expected_acceptance": accept_sum / max(step_tokens, 1),
-                      "top1_agreement": agree_sum / max(step_tokens, 1), "grad_norm": grad_norm}
-            history.append(record["loss"])
-            _log_step(record, metrics_file, logger, bar)
-            if (checkpoint_every and step % checkpoint_every == 0) or step == max_steps:
-                checkpoint = _save_checkpoint(run, output_dir, step=step, examples_seen=examples_seen,
-                                              tokens_seen=tokens_seen, validation_before=before)
-                if keep_checkpoints and is_main:
-                    _prune_checkpoints(output_dir, keep_checkpoints)
-            if val_examples and validate_every and step % validate_every == 0 and step < max_steps:
-                log_validation(step, validate(drafter, target, val_examples, **val_args))
+        for step in range(run.start_step + 1, d.max_steps + 1):
+            record = _optimizer_step(run, target, batches, step, d, spec, seen, checkpoint,
+                                     pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
+            sink.step(record)
+            if (d.checkpoint_every and step % d.checkpoint_every == 0) or step == d.max_steps:
+                # 4. save
+                checkpoint = _save_checkpoint(run, output_dir, step=step, examples_seen=seen["examples"],
+                                              tokens_seen=seen["tokens"], validation_before=before)
+                if d.keep_checkpoints and run.accelerator.is_main_process:
+                    _prune_checkpoints(output_dir, d.keep_checkpoints)
+            if val_examples and d.validate_every and step % d.validate_every == 0 and step < d.max_steps:
+                sink.validation(step, validate(run.drafter, target, val_examples, **val_args))
     finally:
         train_s = time.perf_counter() - t_start
-        if metrics_file is not None:
-            metrics_file.close()
-        bar.close()
+        sink.close()
         run.loader.end()  # the stream is infinite: tell accelerate we left it
-        accelerator.free_memory()
+        run.accelerator.free_memory()
 
     if val_examples:
-        after = validate(drafter, target, val_examples, **val_args)
+        after = validate(run.drafter, target, val_examples, **val_args)
         result.update(_prefixed(after, "after"))
         if "simulated_tau" in after:
             result["val_simulated_draft_length"] = validation_draft_length
-        if max_steps > run.start_step:  # a run that trained: the last point of the curve
-            log_validation(max_steps, after)
+        if d.max_steps > run.start_step:  # a run that trained: the last point of the curve
+            sink.validation(d.max_steps, after)
     # Drop accelerate's autocast wrapper from the drafter's forward: callers save and decode with it.
-    accelerator.unwrap_model(drafter, keep_fp32_wrapper=False)
+    run.accelerator.unwrap_model(run.drafter, keep_fp32_wrapper=False)
+    history = sink.losses
     result.update({
-        "steps": max(max_steps, run.start_step),
+        "steps": max(d.max_steps, run.start_step),
         "final_loss": history[-1] if history else float("nan"),
         "mean_loss_last_10": float(np.mean(history[-10:])) if history else float("nan"),
-        "tokens_seen": tokens_seen,
+        "tokens_seen": seen["tokens"],
         "train_s": train_s,
-        "tokens_per_s": call_tokens / train_s if train_s > 0 else 0.0,
+        "tokens_per_s": seen["this_call"] / train_s if train_s > 0 else 0.0,
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
     })
     return result
+
+
+def _optimizer_step(run: _TrainingSetup, target, batches, step: int, d: DistillConfig, spec: LossSpec,
+                    seen: dict, checkpoint: Path | None, *, pad_token_id: int,
+                    eos_token_ids: Sequence[int]) -> dict[str, Any]:
+    """2. the loss step: ``grad_accum`` micro-batches (some answered on-policy), one optimizer step.
+
+    Returns the step's record (loss, lr, tokens, tokens/s, expected acceptance, top-1 agreement, gradient
+    norm: all processes together) and advances ``seen`` (examples, tokens, this call's tokens).
+    """
+    accelerator, drafter = run.accelerator, run.drafter
+    t0, lr_now, grad_norm = time.perf_counter(), run.scheduler.get_last_lr()[0], float("nan")
+    micro_batches = [next(batches) for _ in range(d.grad_accum)]
+    if d.on_policy_fraction > 0:
+        micro_batches = [
+            _on_policy_batch(accelerator.unwrap_model(drafter), batch, pad_token_id=pad_token_id,
+                             eos_token_ids=eos_token_ids, temperature=d.on_policy_temperature,
+                             max_seq_len=d.max_seq_len)
+            if _draw(d.seed, step, i) < d.on_policy_fraction else batch
+            for i, batch in enumerate(micro_batches)]
+    step_tokens = sum(int(b["loss_mask"].sum()) for b in micro_batches)
+    # DDP averages gradients over processes: weighting by the tokens of *all* processes (times
+    # their number) makes the synchronised step the token-weighted mean over every process's tokens
+    all_tokens = int(_sum_over_processes(accelerator, [step_tokens])[0])
+    loss_sum = accept_sum = agree_sum = 0.0
+    for batch in micro_batches:
+        with accelerator.accumulate(drafter), _memory_guard(step, batch, d.batch_size, d.grad_accum, checkpoint):
+            loss_value, accept, agree = _loss_step(drafter, target, batch, spec)
+            _check_finite("distillation loss", loss_value.item(), step, checkpoint)
+            tokens = int(batch["loss_mask"].sum())
+            # accelerate divides by grad_accum; this makes the step the token-weighted mean
+            accelerator.backward(loss_value * (tokens * d.grad_accum * accelerator.num_processes
+                                               / max(all_tokens, 1)))
+            if accelerator.sync_gradients:
+                grad_norm = float(accelerator.clip_grad_norm_(run.params, MAX_GRAD_NORM))
+                _check_finite("gradient norm", grad_norm, step, checkpoint)
+                run.optimizer.step()
+                run.scheduler.step()
+                run.optimizer.zero_grad(set_to_none=True)
+        loss_sum += loss_value.item() * tokens
+        accept_sum += accept
+        agree_sum += agree
+    # figures of the whole step, all processes together (the stream advances by all their batches)
+    loss_sum, accept_sum, agree_sum = _sum_over_processes(accelerator, [loss_sum, accept_sum, agree_sum])
+    seen["examples"] += d.batch_size * d.grad_accum * accelerator.num_processes
+    seen["tokens"] += all_tokens
+    seen["this_call"] += all_tokens
+    return {"step": step, "loss": loss_sum / max(all_tokens, 1), "lr": lr_now, "tokens": all_tokens,
+            "tokens_per_s": all_tokens / max(time.perf_counter() - t0, 1e-9),
+            "expected_acceptance": accept_sum / max(all_tokens, 1),
+            "top1_agreement": agree_sum / max(all_tokens, 1), "grad_norm": grad_norm}
+
+
+class _Sink:
+    """Where a run's figures go: ``metrics.jsonl``, ``validation.jsonl``, the logger and the progress bar.
+
+    Only the main process writes, logs and shows the bar; on the others (DDP) every call does nothing but
+    keep the loss history, which is the same on every process (the records hold all processes' figures).
+    On a resumed run the files keep the lines up to the checkpoint's step, so one run holds the whole curve.
+    """
+
+    def __init__(self, output_dir: Path, logger: Any, progress: bool, start_step: int, max_steps: int,
+                 is_main: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.is_main = is_main
+        self.validation_path = output_dir / VALIDATION_FILE
+        kept = _keep_steps_up_to(output_dir / METRICS_FILE, start_step, write=is_main, create=True)
+        self.losses = [r["loss"] for r in kept]
+        _keep_steps_up_to(self.validation_path, start_step, write=is_main)
+        self.metrics = (output_dir / METRICS_FILE).open("a", encoding="utf-8") if is_main else None
+        self.logger = logger if is_main else None
+        self.bar = tqdm(total=max_steps, initial=start_step, disable=not (progress and is_main), desc="distill",
+                        unit="step", dynamic_ncols=True)
+
+    def step(self, record: dict) -> None:
+        self.losses.append(record["loss"])
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        if self.logger is not None:
+            self.logger.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                             acc=f"{record['expected_acceptance']:.3f}")
+
+    def validation(self, step: int, figures: dict) -> None:
+        record = {"step": step, **{f"val_{k}": v for k, v in figures.items() if k in _VAL_FIGURES}}
+        if not self.is_main:
+            return
+        with self.validation_path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.logger is not None:
+            self.logger.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if not self.bar.disable:
+            self.bar.write(f"validation at step {step}: " + ", ".join(
+                f"{k[4:]} {v:.4f}" for k, v in record.items() if k != "step"))
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        self.bar.close()
 
 
 @torch.no_grad()
@@ -646,7 +688,8 @@ def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tens
     target_logits = target_logits.to(student_logits.device).unsqueeze(0)
     mask = torch.ones(student_logits.shape[:2], dtype=torch.bool, device=student_logits.device)
     labels = batch["labels"][keep].unsqueeze(0)
-    full_vocab_logits = student_logits, target_logits, mask  # full vocabulary: a reduced drafter has q = 0 outside its set
+    # full vocabulary: a reduced drafter has q = 0 outside its set
+    full_vocab_logits = student_logits, target_logits, mask
     if (draft_ids := draft_vocabulary_of(drafter)) is not None:  # EAGLE-3: the loss on the draft vocabulary only
         student_logits, target_logits, labels, mask = restrict_logits(
             student_logits, target_logits, draft_ids, labels=labels if spec.kind == "ce" else None, mask=mask)
@@ -722,49 +765,20 @@ def _eos_ids(model) -> list[int]:
 # logging
 
 
-def _log_step(record: dict, metrics_file, logger, bar) -> None:
-    if metrics_file is not None:  # None on the non-main processes of a multi-process run
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
-    if logger is not None:
-        logger.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-    bar.update(1)
-    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                    acc=f"{record['expected_acceptance']:.3f}")
+def _keep_steps_up_to(path: Path, start_step: int, *, write: bool = True, create: bool = False) -> list[dict]:
+    """The records of the JSONL file ``path`` with ``step <= start_step`` (none on a fresh start), and with
+    ``write`` the file rewritten to hold only them (created empty where missing only with ``create``).
 
-
-def _progress_bar(enabled: bool, start: int, total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, disable=not enabled, desc="distill", unit="step", dynamic_ncols=True)
-
-
-def _restart_metrics(output_dir: Path, start_step: int, write: bool = True) -> list[float]:
-    """Keep the metrics of steps <= start_step (drop those of a crashed continuation); return their losses.
-
-    ``write=False`` (the non-main processes of a multi-process run) only reads: the main process
-    rewrites the file atomically, so a reader sees the old or the new file, and both hold the kept lines.
+    ``write=False`` (the non-main processes of a multi-process run) only reads: the main process rewrites
+    the file atomically, so a reader sees the old or the new file, and both hold the kept lines.
     """
-    path = output_dir / METRICS_FILE
     kept: list[str] = []
-    if start_step > 0 and path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip() and json.loads(line).get("step", 0) <= start_step:
-                kept.append(line)
-    if write:
-        write_text_atomic(path, "".join(line + "\n" for line in kept))
-    return [json.loads(line)["loss"] for line in kept]
-
-
-def _restart_jsonl(path: Path, start_step: int, write: bool = True) -> None:
-    """Keep the lines of ``path`` with ``step <= start_step`` (all gone on a fresh start); no file is made."""
-    if not write or not path.exists():
-        return
-    kept = []
     if start_step > 0 and path.exists():
         kept = [line for line in path.read_text(encoding="utf-8").splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= start_step]
-    write_text_atomic(path, "".join(line + "\n" for line in kept))
+    if write and (create or path.exists()):
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
+    return [json.loads(line) for line in kept]
 
 
 def _prefixed(metrics: dict, when: str) -> dict:

@@ -227,7 +227,7 @@ def _copy_history(checkpoint: Path, run_dir: Path) -> None:
 
     The named run is left as it was (it may be finished and still in use), so its per-step and
     validation records and its log are copied, not moved; training keeps those up to the
-    checkpoint's step (``distill.training.loop._restart_metrics``), so the new run holds the whole curve.
+    checkpoint's step (``distill.training.loop._keep_steps_up_to``), so the new run holds the whole curve.
     """
     old_checkpoints, new_checkpoints = checkpoint.parent, run_dir / CHECKPOINTS
     step = checkpoint.name.partition("-")[2]
