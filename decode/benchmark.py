@@ -482,17 +482,12 @@ def benchmark(
 
     auto = None
     if schedule == "auto":
-        calibration_k = max_draft_length or 8
-        calibration = benchmark(target, drafter, prompts[:2], draft_length=calibration_k,
-                                **{**decode_args, "max_new_tokens": min(64, max_new_tokens)},
-                                confidence_threshold=confidence_threshold, hf_assisted=False,
-                                target_engine="loop", progress=False, seed=seed)
-        auto = {"calibration_prompts": [p[0] for p in prompts[:2]], "calibration_draft_length": calibration_k,
-                **calibration["draft_length_choice"]}
+        auto = _calibrate_draft_length(target, drafter, prompts, decode_args, max_draft_length=max_draft_length,
+                                       confidence_threshold=confidence_threshold, seed=seed)
         draft_length, schedule = auto["best_draft_length"], "constant"
-        notes.append(f"auto draft length: K = {draft_length} chosen from a calibration at K = {calibration_k} "
-                     f"on {len(prompts[:2])} of these prompts (rule of thumb K = max(2, int(accuracy x 5)) says "
-                     f"{auto['rule_of_thumb']})")
+        notes.append(f"auto draft length: K = {draft_length} chosen from a calibration at K = "
+                     f"{auto['calibration_draft_length']} on {len(auto['calibration_prompts'])} of these prompts "
+                     f"(rule of thumb K = max(2, int(accuracy x 5)) says {auto['rule_of_thumb']})")
     spec_args = dict(draft_length=draft_length, schedule=schedule, max_draft_length=max_draft_length,
                      confidence_threshold=confidence_threshold)
 
@@ -533,17 +528,8 @@ def benchmark(
         pooled = DecodeStats.merge([r.speculative.stats for r in runs])
         bar.set_postfix(acceptance=f"{pooled.acceptance_rate:.3f}", tau=f"{pooled.mean_accepted_tokens:.2f}")
 
-    calibration_ids = [ids for _, _, ids in prompts[:3]]
-    target_forward_s, draft_forward_s = measure_forward_seconds(target, drafter, calibration_ids)
-    cost_ratio = draft_forward_s / target_forward_s
-    longest = max(max(r.speculative.stats.drafted_per_block, default=0) for r in runs)
-    verify_costs = measure_verify_costs(target, calibration_ids[:1], min(max(8, longest), 16) + 1)
-    slow_verify = verify_costs[min(draft_length, len(verify_costs) - 1)]
-    if slow_verify > 2.0:
-        notes.append(f"verifying K + 1 = {draft_length + 1} tokens cost {slow_verify:.1f} one-token target forwards on "
-                     f"this host (about 1 where the weights are read once): speculation pays little here; see "
-                     f"docs/cpu_linear.md (float32 CPU layers go through oneDNN, decode.cpu_linear.use_onednn_linear)")
-        print(f"benchmark: warning: {notes[-1]}", flush=True)
+    target_forward_s, cost_ratio, verify_costs = _measure_costs(target, drafter, prompts, runs, draft_length,
+                                                                notes)
 
     def figures(subset):
         return _speed_figures(subset, draft_length, cost_ratio, greedy, verify_costs, target_engine, target_forward_s)
@@ -558,7 +544,45 @@ def benchmark(
     result["notes"] = notes
     result["per_category"] = {category: figures([r for r in runs if r.category == category])
                               for category in sorted({r.category for r in runs})}
-    result["per_prompt"] = [
+    result["per_prompt"] = _per_prompt_rows(runs, greedy)
+    return result
+
+
+def _calibrate_draft_length(target, drafter, prompts, decode_args: dict, *, max_draft_length: int | None,
+                            confidence_threshold: float, seed: int) -> dict:
+    """``decode.schedule=auto``: a short benchmark of the first 2 prompts at K = ``max_draft_length`` (8 if
+    None), up to 64 tokens; returns its ``draft_length_choice`` with the calibration's prompts and K."""
+    calibration_k = max_draft_length or 8
+    calibration = benchmark(target, drafter, prompts[:2], draft_length=calibration_k,
+                            **{**decode_args, "max_new_tokens": min(64, decode_args["max_new_tokens"])},
+                            confidence_threshold=confidence_threshold, hf_assisted=False,
+                            target_engine="loop", progress=False, seed=seed)
+    return {"calibration_prompts": [p[0] for p in prompts[:2]], "calibration_draft_length": calibration_k,
+            **calibration["draft_length_choice"]}
+
+
+def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_length: int,
+                   notes: list[str]) -> tuple[float, float, list[float]]:
+    """The cost model's inputs, timed on the first prompts: ``(one-token target forward in s, c, verify costs
+    per length in one-token target forwards)``; a verification cost that makes speculation pay little is
+    added to ``notes`` and printed."""
+    calibration_ids = [ids for _, _, ids in prompts[:3]]
+    target_forward_s, draft_forward_s = measure_forward_seconds(target, drafter, calibration_ids)
+    cost_ratio = draft_forward_s / target_forward_s
+    longest = max(max(r.speculative.stats.drafted_per_block, default=0) for r in runs)
+    verify_costs = measure_verify_costs(target, calibration_ids[:1], min(max(8, longest), 16) + 1)
+    slow_verify = verify_costs[min(draft_length, len(verify_costs) - 1)]
+    if slow_verify > 2.0:
+        notes.append(f"verifying K + 1 = {draft_length + 1} tokens cost {slow_verify:.1f} one-token target forwards on "
+                     f"this host (about 1 where the weights are read once): speculation pays little here; see "
+                     f"docs/cpu_linear.md (float32 CPU layers go through oneDNN, decode.cpu_linear.use_onednn_linear)")
+        print(f"benchmark: warning: {notes[-1]}", flush=True)
+    return target_forward_s, cost_ratio, verify_costs
+
+
+def _per_prompt_rows(runs: list[_PromptRun], greedy: bool) -> list[dict]:
+    """One row per prompt: its figures, blocks and tokens (what a simulation of this decoder is checked against)."""
+    return [
         {
             "prompt_id": r.prompt_id,
             "category": r.category,
@@ -576,4 +600,3 @@ def benchmark(
         }
         for r in runs
     ]
-    return result

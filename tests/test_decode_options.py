@@ -240,8 +240,9 @@ def _with_qconfig(layer):
 def test_int8_drafter_prefill_matches_token_by_token(drafter):
     """Inside a transformers model (3-D inputs, a KV cache) the multi-token prompt forward of the int8
     drafter gives the logits that one-token steps give."""
-    from decode.quantization import quantize_drafter
     from transformers import DynamicCache
+
+    from decode.quantization import quantize_drafter
 
     quantized = quantize_drafter(drafter, "int8-dynamic")
     ids = torch.tensor([PROMPTS[2]])

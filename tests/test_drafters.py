@@ -4,8 +4,14 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from distill.drafters.build import (LoraSettings, build_drafter, count_parameters, describe_layers, merge_drafter,
-                              select_layers)
+from distill.drafters.build import (
+    LoraSettings,
+    build_drafter,
+    count_parameters,
+    describe_layers,
+    merge_drafter,
+    select_layers,
+)
 
 VOCAB = 300
 
