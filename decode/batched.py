@@ -86,6 +86,9 @@ def speculative_generate_batch(
     Raises:
         ValueError: no prompts, an empty prompt, or arguments out of range.
     """
+    # One function on purpose, like speculative_generate: the loop's four numbered steps share the per-row
+    # state (active rows, caches, left padding, positions, the sequences) and read top to bottom as the
+    # algorithm; split into helpers, each would take and return most of it.
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("speculative_generate_batch needs at least one prompt, none of them empty")
     if draft_length < 1:
