@@ -15,7 +15,7 @@ import pytest
 from distill.errors import ConfigError
 from distill.runs import COMPLETE
 from distill.stages.distill import run_distill
-from distill.training.loop import STATE_FILE
+from distill.training.checkpoint import STATE_FILE
 from distill.training.resume import (
     RESUME_KEY,
     find_resumable,

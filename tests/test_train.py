@@ -243,7 +243,7 @@ def _folder_bytes(path):
 
 @pytest.mark.parametrize("make", ["full", "lora"])
 def test_checkpoint_bytes_matches_the_folder_written(make, target, examples, tmp_path):
-    from distill.training.loop import checkpoint_bytes
+    from distill.training.checkpoint import checkpoint_bytes
 
     drafter = _sibling() if make == "full" else _lora_cut(target)
     estimate = checkpoint_bytes(drafter)
@@ -257,10 +257,10 @@ def test_too_little_disk_for_one_checkpoint_is_refused_before_training(target, e
     import collections
 
     from distill.errors import DiskFullError
-    from distill.training import loop as train_module
+    from distill.training import checkpoint as checkpoint_module
 
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(train_module.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
     with pytest.raises(DiskFullError, match=r"training checkpoint \(weights \+ optimizer state\) at .*: "
                                             r"about .* needed, 1000 bytes free; .*outputs="):
         train_drafter(_sibling(), target, examples, loop_settings(max_steps=4, batch_size=2), output_dir=tmp_path,
@@ -271,12 +271,12 @@ def test_too_little_disk_for_one_checkpoint_is_refused_before_training(target, e
 def test_disk_that_holds_fewer_checkpoints_than_kept_warns(target, examples, tmp_path, monkeypatch, caplog):
     import collections
 
-    from distill.training import loop as train_module
+    from distill.training import checkpoint as checkpoint_module
 
-    size = train_module.checkpoint_bytes(_sibling())
+    size = checkpoint_module.checkpoint_bytes(_sibling())
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(train_module.shutil, "disk_usage", lambda path: usage(10**12, 0, int(1.5 * size)))
-    with caplog.at_level("WARNING", logger="distill.training.loop"):
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: usage(10**12, 0, int(1.5 * size)))
+    with caplog.at_level("WARNING", logger="distill.training.checkpoint"):
         train_drafter(_sibling(), target, examples,
                       loop_settings(max_steps=4, batch_size=2, checkpoint_every=1, keep_checkpoints=2),
                       output_dir=tmp_path, progress=False)
@@ -290,9 +290,9 @@ def test_disk_that_holds_fewer_checkpoints_than_kept_warns(target, examples, tmp
 ])
 def test_disk_full_during_a_checkpoint_keeps_the_earlier_ones(message, target, examples, tmp_path, monkeypatch):
     from distill.errors import DiskFullError
-    from distill.training import loop as train_module
+    from distill.training import checkpoint as checkpoint_module
 
-    real_save, calls = train_module.torch.save, {"n": 0}
+    real_save, calls = checkpoint_module.torch.save, {"n": 0}
 
     def save(obj, path, *args, **kwargs):
         calls["n"] += 1
@@ -300,7 +300,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_earlier_ones(message, target, e
             raise RuntimeError(message)
         return real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(train_module.torch, "save", save)
+    monkeypatch.setattr(checkpoint_module.torch, "save", save)
     with pytest.raises(DiskFullError, match=r"checkpoint-4 .*earlier checkpoints in .* are intact"):
         train_drafter(_sibling(), target, examples, loop_settings(max_steps=6, batch_size=2, checkpoint_every=2),
                       output_dir=tmp_path, progress=False)

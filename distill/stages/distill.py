@@ -30,8 +30,8 @@ from distill.drafters.setup import (
     DRAFTER_INFO,
     check_drafter_tokens,
     check_layers_exist,
-    check_training_hardware,
     check_tokenizers,
+    check_training_hardware,
     drafter_info,
     initial_drafter,
 )

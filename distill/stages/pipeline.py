@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from distill.config import Config
 from distill.data.prompts import load_prompts
 from distill.data.training_data import resolve_extra_generate
-from distill.drafters.setup import check_drafter_tokens, check_layers_exist, check_training_hardware, check_tokenizers
+from distill.drafters.setup import check_drafter_tokens, check_layers_exist, check_tokenizers, check_training_hardware
 from distill.errors import ConfigError
 from distill.files import write_json_atomic
 from distill.measure.report import REPORT_MD, write_report_markdown

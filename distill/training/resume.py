@@ -34,7 +34,8 @@ from distill.errors import ConfigError
 from distill.files import write_json_atomic
 from distill.hardware import resolve_mixed_precision
 from distill.runs import COMPLETE, run_damage
-from distill.training.loop import METRICS_FILE, STATE_FILE, VALIDATION_FILE
+from distill.training.checkpoint import STATE_FILE, complete_checkpoints
+from distill.training.loop import METRICS_FILE, VALIDATION_FILE
 
 log = logging.getLogger(__name__)
 RESUME_KEY = "resume_key.json"
@@ -98,12 +99,7 @@ def latest_checkpoint(checkpoints: Path) -> Path | None:
     """The ``checkpoint-<step>`` folder with the highest step that holds its state file and whose files can
     be read, or None. A damaged one (a disk fault, a power cut) is skipped with a warning: the previous one is
     used instead of failing every later run of the same command."""
-    found = []
-    for path in Path(checkpoints).glob("checkpoint-*"):
-        step = path.name.split("-", 1)[1]
-        if step.isdigit() and (path / STATE_FILE).is_file():
-            found.append((int(step), path))
-    for _, path in sorted(found, reverse=True):
+    for _, path in reversed(complete_checkpoints(checkpoints)):
         damage = _damage(path)
         if damage is None:
             return path
