@@ -12,13 +12,13 @@ from distill.errors import ConfigError, TokenizerMismatchError
 from distill.runs import COMPLETE
 from distill.stages import check as check_module
 from tests.test_config import _compose
-from tests.test_pipeline import draftsmith
+from tests.test_pipeline import draftsmith_tiny
 from tests.test_speculative import PROMPTS, tiny_model
 
 
 def test_check_through_the_cli(tmp_path):
-    proc = draftsmith("check", "experiment=tiny", "check.num_prompts=2", "check.draft_length=3",
-                      f"outputs={tmp_path}/outputs", cwd=tmp_path)
+    proc = draftsmith_tiny("check", "experiment=tiny", "check.num_prompts=2", "check.draft_length=3",
+                           f"outputs={tmp_path}/outputs", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     path = Path(proc.stdout.strip().splitlines()[-1])
     assert path.name == "check.json" and (path.parent / COMPLETE).is_file()

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-import torch
 
 from distill.cli import CONF_DIR
 from distill.config import Config, register_configs, to_config
@@ -96,7 +96,90 @@ def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env, timeout=300)
 
 
+def cli_in_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``draftsmith ARGS`` through the CLI's entry point (``distill.cli.main``) in this process, answered like
+    :func:`cli`: exit code, stdout, stderr.
+
+    For commands that end before any model loads (a refused config or input, ``--cfg job``, ``--help``): a
+    child process takes 3-5 s for them on 2 cores, most of it importing torch, transformers and Hydra, which
+    this process has already done; here they take a fraction of a second.
+    Exit codes are the interpreter's: a SystemExit's code (None -> 0, a message -> printed, 1), and 1 with
+    the traceback on stderr for an exception that escapes. What the CLI changes in the process is put back:
+    argv, the working folder, the SIGTERM handler, the logging Hydra configures (its file handler closed),
+    the progress-bar switches, and Hydra's global state (else the next ``initialize_config_dir`` refuses).
+    Tests about the process itself (signals, pipes, the real exit of ``python -m distill.cli``) use :func:`cli`.
+    """
+    import contextlib
+    import io
+    import logging
+    import signal
+    import traceback
+
+    import datasets.utils
+    from hydra.core.global_hydra import GlobalHydra
+    from transformers.utils import logging as hf_logging
+
+    from distill import cli as cli_module
+
+    root = logging.getLogger()
+    bnb = logging.getLogger("bitsandbytes")
+    saved = dict(argv=list(sys.argv), cwd=os.getcwd(), sigterm=signal.getsignal(signal.SIGTERM),
+                 handlers=root.handlers[:], level=root.level, bnb_level=bnb.level,
+                 hf_bars=hf_logging.is_progress_bar_enabled(), ds_bars=not datasets.utils.are_progress_bars_disabled())
+    out, err = io.StringIO(), io.StringIO()
+    code: int | str | None = 0
+    _wait_for_a_new_run_folder(args, cwd)
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli_module.main(list(args))
+            except SystemExit as done:
+                code = done.code
+                if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, status 1
+                    print(code, file=sys.stderr)
+                    code = 1
+            except Exception:  # noqa: BLE001 (what the interpreter does with an uncaught exception)
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = saved["argv"]
+        os.chdir(saved["cwd"])
+        signal.signal(signal.SIGTERM, saved["sigterm"])
+        for handler in root.handlers:
+            if handler not in saved["handlers"]:
+                handler.close()
+        root.handlers[:] = saved["handlers"]
+        root.setLevel(saved["level"])
+        bnb.setLevel(saved["bnb_level"])
+        if saved["hf_bars"]:
+            hf_logging.enable_progress_bar()
+        if saved["ds_bars"]:
+            datasets.utils.enable_progress_bars()
+        GlobalHydra.instance().clear()
+    return subprocess.CompletedProcess(["draftsmith", *args], code or 0, out.getvalue(), err.getvalue())
+
+
+def _wait_for_a_new_run_folder(args: tuple[str, ...], cwd: Path | None) -> None:
+    """Hydra names a run's folder by the second it starts (conf/hydra/default.yaml: <outputs>/<stage>/<date>_<time>).
+    A child process gets there 2-3 s after the command before it; this process at once. When the folder of this
+    second exists already (a command that just ran), wait for the next second, as the child would have: a refused
+    command must not write its .hydra/ into another run's folder."""
+    import datetime
+    import time
+
+    if not args or args[0].startswith("-") or {"-m", "--multirun"} & set(args):
+        return
+    outputs = next((a.split("=", 1)[1] for a in reversed(args) if a.startswith("outputs=")), "outputs")
+    folder = Path(cwd or ".") / Path(outputs).expanduser() / args[0]
+    now = datetime.datetime.now()
+    if (folder / now.strftime("%Y-%m-%d_%H-%M-%S")).exists():
+        time.sleep(1.05 - now.microsecond / 1e6)
+
+
 def test_cli_config_error_exits_2_and_leaves_no_run_folder(tmp_path):
+    # the real command in a child process: its exit status (the refusals below run the entry point in-process)
     proc = cli("generate", "decode.draft_length=0", f"outputs={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2
     assert "decode.draft_length" in proc.stderr
@@ -112,29 +195,29 @@ def test_cli_config_error_exits_2_and_leaves_no_run_folder(tmp_path):
     ("drafter.layers=0,1", "'drafter.layers=[0,1]' (quoted for the shell) for one list"),
 ])
 def test_a_scalar_for_a_list_key_says_how_to_write_the_list(tmp_path, override, hint):
-    proc = cli("distill", "experiment=tiny", override, f"outputs={tmp_path}", cwd=tmp_path)
+    proc = cli_in_process("distill", "experiment=tiny", override, f"outputs={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2 and hint in proc.stderr and "ListConfig" not in proc.stderr, proc.stderr
-    ok = cli("distill", "experiment=tiny", "drafter.layers=[0]", "--cfg", "job", cwd=tmp_path)
+    ok = cli_in_process("distill", "experiment=tiny", "drafter.layers=[0]", "--cfg", "job", cwd=tmp_path)
     assert ok.returncode == 0 and "- 0" in ok.stdout, ok.stderr
 
 
 def test_cli_help_and_cfg(tmp_path):
-    usage = cli("--help")
+    usage = cli_in_process("--help")
     assert usage.returncode == 0 and "pipeline" in usage.stdout
-    cfg = cli("pipeline", "experiment=tiny", "--cfg", "job", cwd=tmp_path)
+    cfg = cli_in_process("pipeline", "experiment=tiny", "--cfg", "job", cwd=tmp_path)
     assert cfg.returncode == 0 and "tiny-target" in cfg.stdout
-    bad = cli("train")
+    bad = cli_in_process("train")
     assert bad.returncode == 2 and "unknown stage" in bad.stderr
 
 
 def test_cli_flags_may_come_before_overrides(tmp_path):
-    proc = cli("pipeline", "--cfg", "job", "experiment=tiny", "decode.draft_length=5", cwd=tmp_path)
+    proc = cli_in_process("pipeline", "--cfg", "job", "experiment=tiny", "decode.draft_length=5", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "tiny-target" in proc.stdout and "draft_length: 5" in proc.stdout
 
 
 def test_misspelled_experiment_is_refused(tmp_path):
-    proc = cli("pipeline", "experiment=tinyy", cwd=tmp_path)
+    proc = cli_in_process("pipeline", "experiment=tinyy", cwd=tmp_path)
     assert proc.returncode != 0
     assert "experiment/tinyy" in proc.stderr + proc.stdout
 
@@ -208,7 +291,7 @@ def test_help_piped_into_a_reader_that_stops_early_prints_no_traceback(tmp_path)
     ("quick", "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct", "sibling"),
 ])
 def test_a_drafter_on_the_command_line_replaces_the_experiments_drafter(tmp_path, experiment, drafter, name, init):
-    proc = cli("pipeline", f"experiment={experiment}", f"drafter={drafter}", "--cfg", "job", cwd=tmp_path)
+    proc = cli_in_process("pipeline", f"experiment={experiment}", f"drafter={drafter}", "--cfg", "job", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     drafter_cfg = proc.stdout.split("\ndrafter:\n", 1)[1].split("\ndata:", 1)[0]
     assert f"name: {name}" in drafter_cfg and f"init: {init}" in drafter_cfg and "num_layers: null" in drafter_cfg
@@ -221,25 +304,28 @@ def test_a_drafter_on_the_command_line_replaces_the_experiments_drafter(tmp_path
     ("inputs.generate=x", "generate.num_prompts=5"),
 ])
 def test_a_pipeline_given_a_run_refuses_settings_of_the_stage_it_skips(tmp_path, given, setting):
-    proc = cli("pipeline", "experiment=tiny", given, setting, f"outputs={tmp_path}", cwd=tmp_path)
+    proc = cli_in_process("pipeline", "experiment=tiny", given, setting, f"outputs={tmp_path}", cwd=tmp_path)
     key = setting.split("=")[0]
     assert proc.returncode == 2 and f"{key} would change nothing" in proc.stderr, proc.stderr
     # settings of the stages that still run are fine (here the missing folder is what stops it)
-    ok = cli("pipeline", "experiment=tiny", given, "decode.draft_length=2", "evaluate.num_prompts=1",
-             f"outputs={tmp_path}", cwd=tmp_path)
+    ok = cli_in_process("pipeline", "experiment=tiny", given, "decode.draft_length=2", "evaluate.num_prompts=1",
+                        f"outputs={tmp_path}", cwd=tmp_path)
     assert "would change nothing" not in ok.stderr and "does not exist" in ok.stderr, ok.stderr
 
 
 def test_dtype_auto_is_bfloat16_only_where_the_hardware_has_bf16_units(monkeypatch):
     import distill.hardware
     import distill.models.loading
+    from distill.hardware import resolve_auto
 
+    assert (_compose().target.dtype, _compose().drafter.dtype) == ("auto", "auto")  # the schema never probes
     monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: False)
-    cfg = _compose()  # the shipped pair's yaml says dtype: auto
+    cfg = resolve_auto(_compose())  # the shipped pair's default: dtype auto
     assert (cfg.target.dtype, cfg.drafter.dtype) == ("float32", "float32")
     monkeypatch.setattr(distill.hardware, "bf16_is_fast", lambda device=None: True)
-    assert (_compose().target.dtype, _compose("drafter=pruned").drafter.dtype) == ("bfloat16", "bfloat16")
-    assert _compose("target.dtype=float32").target.dtype == "float32"  # a named dtype is kept as given
+    assert (resolve_auto(_compose()).target.dtype,
+            resolve_auto(_compose("drafter=pruned")).drafter.dtype) == ("bfloat16", "bfloat16")
+    assert resolve_auto(_compose("target.dtype=float32")).target.dtype == "float32"  # a named dtype is kept
     assert distill.models.loading._parse_dtype("auto") == torch.bfloat16
     with pytest.raises(ConfigError, match="target.dtype: must be one of"):
         _compose("target.dtype=fp8")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from distill.config import LoggerConfig
-from distill.errors import ConfigError, PromptError
 from distill.data.prompts import load_prompts
+from distill.errors import ConfigError, PromptError
 from distill.tracking import check_logger
-from tests.test_config import cli
+from tests.test_config import cli_in_process
 
 
 def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
@@ -26,8 +26,8 @@ def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
 
 
 def test_wandb_online_without_a_key_fails_before_any_run_folder(tmp_path):
-    proc = cli("distill", "experiment=tiny", "logger=wandb", "logger.mode=online", f"outputs={tmp_path}/out",
-               cwd=tmp_path)
+    proc = cli_in_process("distill", "experiment=tiny", "logger=wandb", "logger.mode=online", f"outputs={tmp_path}/out",
+                          cwd=tmp_path)
     assert proc.returncode == 2 and "logger.mode=offline" in proc.stderr, proc.stderr[-1000:]
     assert not list((tmp_path / "out").glob("distill/*"))
 
@@ -36,7 +36,7 @@ def test_wandb_online_without_a_key_fails_before_any_run_folder(tmp_path):
 def test_outputs_that_is_a_file_is_refused(tmp_path, where):
     (tmp_path / "notes.txt").write_text("mine")
     outputs = tmp_path / "notes.txt" / ("sub" if where == "under_file" else "")
-    proc = cli("generate", "experiment=tiny", f"outputs={str(outputs).rstrip('/')}", cwd=tmp_path)
+    proc = cli_in_process("generate", "experiment=tiny", f"outputs={str(outputs).rstrip('/')}", cwd=tmp_path)
     assert proc.returncode == 2 and "pass outputs=<a folder you can write>" in proc.stderr, proc.stderr[-1000:]
     assert "Traceback" not in proc.stderr and (tmp_path / "notes.txt").read_text() == "mine"
 
@@ -47,7 +47,8 @@ def test_a_folder_given_as_prompt_file_says_so(tmp_path):
 
 
 def test_a_bad_value_in_a_sweep_stops_it_before_the_first_job(tmp_path):
-    proc = cli("pipeline", "-m", "experiment=tiny", f"outputs={tmp_path}/out", "distill.lr=1e-3,0", cwd=tmp_path)
+    proc = cli_in_process("pipeline", "-m", "experiment=tiny", f"outputs={tmp_path}/out", "distill.lr=1e-3,0",
+                          cwd=tmp_path)
     assert proc.returncode == 2 and "job distill.lr=0" in proc.stderr, proc.stderr[-1000:]
     assert "no job was started" in proc.stderr and not (tmp_path / "out").exists()
 
@@ -58,7 +59,7 @@ def test_a_bad_value_in_a_sweep_stops_it_before_the_first_job(tmp_path):
     ("outptus=x", "did you mean outputs?"),
 ])
 def test_a_misspelt_key_names_the_closest_real_one(tmp_path, override, suggestion):
-    proc = cli("distill", "experiment=tiny", override, f"outputs={tmp_path}/out", cwd=tmp_path)
+    proc = cli_in_process("distill", "experiment=tiny", override, f"outputs={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode == 2 and suggestion in proc.stderr, proc.stderr[-1000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
@@ -66,18 +67,18 @@ def test_a_misspelt_key_names_the_closest_real_one(tmp_path, override, suggestio
 def test_folder_values_that_trip_hydras_grammar_are_read_as_folders(tmp_path, monkeypatch):
     # '~' and '=' are operators in Hydra's override grammar; a sweep job's folder name holds '='
     monkeypatch.setenv("HOME", str(tmp_path))
-    proc = cli("evaluate", "experiment=tiny", "inputs.distill=~/runs/3_distill.lr=1e-4", f"outputs={tmp_path}/out",
-               cwd=tmp_path)
+    proc = cli_in_process("evaluate", "experiment=tiny", "inputs.distill=~/runs/3_distill.lr=1e-4",
+                          f"outputs={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-1000:]
     assert f"distill run folder {tmp_path}/runs/3_distill.lr=1e-4 does not exist" in proc.stderr, proc.stderr[-1000:]
     # with -m, a comma separates the sweep's folders
-    proc = cli("evaluate", "-m", "experiment=tiny", "inputs.distill=a/x=1,b/y=2", f"outputs={tmp_path}/out",
-               cwd=tmp_path)
+    proc = cli_in_process("evaluate", "-m", "experiment=tiny", "inputs.distill=a/x=1,b/y=2", f"outputs={tmp_path}/out",
+                          cwd=tmp_path)
     assert "inputs.distill=a/x=1 does not exist" in proc.stderr and "no job was started" in proc.stderr, proc.stderr
 
 
 def test_an_override_hydra_cannot_read_says_how_to_quote(tmp_path):
-    proc = cli("distill", "experiment=tiny", "distill.lr=[1,", cwd=tmp_path)
+    proc = cli_in_process("distill", "experiment=tiny", "distill.lr=[1,", cwd=tmp_path)
     assert proc.returncode == 2 and "cannot read 'distill.lr=[1,'" in proc.stderr, proc.stderr[-1000:]
     assert "in quotes" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -85,18 +86,19 @@ def test_an_override_hydra_cannot_read_says_how_to_quote(tmp_path):
 def test_home_folders_and_job_folders_inside_lists(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     for value in ("[~/a,~/b=1]", "['~/a','~/b=1']"):
-        proc = cli("distill", "experiment=tiny", f"inputs.extra_generate={value}", "--cfg", "job", cwd=tmp_path)
+        proc = cli_in_process("distill", "experiment=tiny", f"inputs.extra_generate={value}", "--cfg", "job",
+                              cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-1000:]
         assert f"  - {tmp_path}/a\n  - {tmp_path}/b=1\n" in proc.stdout
     # a setting that is no path keeps its ~; a comma in a folder without -m is part of its name
-    proc = cli("distill", "experiment=tiny", "decode.stop_strings=['~/b']", "inputs.generate=/x,y", "--cfg", "job",
-               cwd=tmp_path)
+    proc = cli_in_process("distill", "experiment=tiny", "decode.stop_strings=['~/b']", "inputs.generate=/x,y",
+                          "--cfg", "job", cwd=tmp_path)
     assert "  - ~/b\n" in proc.stdout and "generate: /x,y\n" in proc.stdout, proc.stderr[-1000:]
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_non_finite_numbers_are_refused_up_front(tmp_path, value):
-    proc = cli("pipeline", "experiment=tiny", f"distill.lr={value}", f"outputs={tmp_path}/out", cwd=tmp_path)
+    proc = cli_in_process("pipeline", "experiment=tiny", f"distill.lr={value}", f"outputs={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode == 2 and f"distill.lr: must be a finite number, got {value}" in proc.stderr, proc.stderr
     assert not list((tmp_path / "out").glob("*/*"))  # no run folder
 
@@ -108,19 +110,19 @@ def test_non_finite_numbers_are_refused_up_front(tmp_path, value):
     (["--cfg", "job", "a=1", "-m"], ["--cfg", "job", "-m"], ["a=1"]),
 ])
 def test_hydra_flags_are_split_from_overrides(argv, flags, overrides):
-    from distill.cli import _split_flags
+    from distill.overrides import split_flags
 
-    assert _split_flags(argv) == (flags, overrides)
+    assert split_flags(argv) == (flags, overrides)
 
 
 def test_a_sweep_over_a_missing_input_folder_stops_before_the_first_job(tmp_path):
-    proc = cli("evaluate", "-m", "experiment=tiny", f"inputs.distill={tmp_path},{tmp_path}/gone",
-               f"outputs={tmp_path}/out", cwd=tmp_path)
+    proc = cli_in_process("evaluate", "-m", "experiment=tiny", f"inputs.distill={tmp_path},{tmp_path}/gone",
+                          f"outputs={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode == 2 and f"inputs.distill={tmp_path}/gone does not exist" in proc.stderr, proc.stderr
     assert "no job was started" in proc.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("flag, shows", [("--hydra-help", "== Flags =="), ("--info", "Installed Hydra Plugins")])
 def test_hydras_own_help_and_info_flags_work(tmp_path, flag, shows):
-    proc = cli("distill", flag, cwd=tmp_path)
+    proc = cli_in_process("distill", flag, cwd=tmp_path)
     assert proc.returncode == 0 and shows in proc.stdout, proc.stderr[-1000:]

@@ -10,13 +10,14 @@ import pytest
 
 from distill.errors import DraftsmithError
 from distill.stages.gather import collect, find_sweep
-from tests.test_pipeline import draftsmith
+from tests.test_config import cli_in_process
+from tests.test_pipeline import draftsmith, draftsmith_tiny
 
 
 def test_two_point_sweep_gathered(tmp_path):
     out = tmp_path / "outputs"
-    sweep = draftsmith("pipeline", "-m", "experiment=tiny", "decode.draft_length=2,3", "logger=none",
-                       f"outputs={out}", cwd=tmp_path)
+    sweep = draftsmith_tiny("pipeline", "-m", "experiment=tiny", "decode.draft_length=2,3", "logger=none",
+                            f"outputs={out}", cwd=tmp_path)
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     jobs = list(out.glob("multirun/pipeline/*/*/evaluate/report.json"))
     assert len(jobs) == 2  # one folder level per job, whatever the override values hold
@@ -82,8 +83,9 @@ def test_distill_jobs_reused_runs_failed_and_missing_jobs_are_told_apart(tmp_pat
 def test_a_failed_sweep_job_records_its_error(tmp_path):
     for name in ("a", "b"):  # folders, but no runs: each job fails when it reads its folder
         (tmp_path / name).mkdir()
-    proc = draftsmith("evaluate", "-m", "experiment=tiny", f"inputs.distill={tmp_path}/a,{tmp_path}/b",
-                      f"outputs={tmp_path}/out", cwd=tmp_path)
+    # each job is refused before any model loads: the sweep runs in this process
+    proc = cli_in_process("evaluate", "-m", "experiment=tiny", f"inputs.distill={tmp_path}/a,{tmp_path}/b",
+                          f"outputs={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode != 0
     rows, _ = collect(next((tmp_path / "out" / "multirun" / "evaluate").iterdir()))
     assert len(rows) == 1 and rows[0]["status"].startswith(f"failed: {tmp_path}/a is not a distill run folder")

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from distill.models import loading as models
 from distill.errors import ConfigError, DraftsmithError, ModelIntegrityError, ModelNotFoundError
+from distill.models import loading as models
 from distill.models.loading import (
     SHIPPED,
     ResolvedModel,

@@ -1,9 +1,15 @@
-"""The whole pipeline end to end on tiny random models, through the real CLI."""
+"""The whole pipeline end to end on tiny random models, through the real CLI.
+
+Commands that do work run in child processes (:func:`draftsmith`; one torch thread on the tiny models); a command
+refused before any model loads runs through the same entry point in this process (``cli_in_process``: the same
+exit code and messages, without a child's 3-5 s of start-up).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,23 +19,37 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from distill.runs import COMPLETE
+from tests.test_config import cli_in_process
 
 REPO = Path(__file__).resolve().parent.parent
 REPORT_KEYS = ("acceptance_rate", "mean_accepted_tokens", "draft_length", "target_tokens_per_s",
                "speculative_tokens_per_s", "speedup", "num_prompts", "new_tokens")
 
 
-def draftsmith(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def draftsmith(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     # PYTHONPATH: run this checkout's code even where another copy is pip-installed.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-m", "distill.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=600)
 
 
+# Child processes on the tiny models get one torch thread, as `one_thread` (conftest.py) gives the tests in this
+# process: with two threads on a shared 2-core CPU a tiny forward pays for thread start-up, not for matmuls, and
+# the tiny pipeline takes ~55 s instead of ~18 s. The real-model run keeps torch's default.
+TINY_THREADS = {"OMP_NUM_THREADS": "1"}
+
+
+def draftsmith_tiny(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``draftsmith ARGS`` in a child process with one torch thread (``TINY_THREADS``): commands on tiny models."""
+    return draftsmith(*args, cwd=cwd, env=TINY_THREADS)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
+    """One finished tiny pipeline, ``(root, proc)``, that the tests of this module read (its report is the last
+    line of ``proc.stdout``) and start their own runs from; a test that changes a run's files copies it first."""
     root = tmp_path_factory.mktemp("pipeline")
-    proc = draftsmith("pipeline", "experiment=tiny", f"outputs={root}/outputs", cwd=root)
+    proc = draftsmith_tiny("pipeline", "experiment=tiny", f"outputs={root}/outputs", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root, proc
 
@@ -133,8 +153,8 @@ def test_export_writes_a_gguf_when_asked(tiny_run, tmp_path):
 
     root, _ = tiny_run
     dest = tmp_path / "with-gguf"
-    proc = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
-                      "export.gguf=true", "export.gguf_dtype=f32", cwd=root)
+    proc = draftsmith_tiny("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
+                           "export.gguf=true", "export.gguf_dtype=f32", cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     reader = gguf.GGUFReader(dest / "drafter.gguf")
     assert reader.fields["general.architecture"].contents() == "qwen2"
@@ -149,7 +169,7 @@ def test_single_stages_chain_through_outputs(tiny_run, tmp_path):
     """`draftsmith distill` without inputs reads the newest finished generate run."""
     root, _ = tiny_run
     out = root / "outputs"
-    proc = draftsmith("distill", "experiment=tiny", f"outputs={out}", "distill.max_steps=2", cwd=root)
+    proc = draftsmith_tiny("distill", "experiment=tiny", f"outputs={out}", "distill.max_steps=2", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     distill_runs = sorted((out / "distill").glob("*/COMPLETE"))
     assert distill_runs
@@ -158,8 +178,8 @@ def test_single_stages_chain_through_outputs(tiny_run, tmp_path):
 def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
     root, pipeline = tiny_run
     distill_run = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "distill"
-    proc = draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval", f"inputs.distill={distill_run}",
-                      "evaluate.compare_drafters=[tiny-drafter]", "evaluate.hf_assisted=false", cwd=root)
+    proc = draftsmith_tiny("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval", f"inputs.distill={distill_run}",
+                           "evaluate.compare_drafters=[tiny-drafter]", "evaluate.hf_assisted=false", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [report_path] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
     report = json.loads(report_path.read_text())
@@ -169,8 +189,8 @@ def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
     assert "`tiny-drafter`" in (report_path.parent / "report.md").read_text()
     # drafter.* of this command says 2 layers (the whole tiny target: accepted always), but the baseline is the
     # drafter the run started from (1 layer), as in the pipeline's own report
-    proc = draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval2", f"inputs.distill={distill_run}",
-                      "drafter.num_layers=2", "evaluate.hf_assisted=false", cwd=root)
+    proc = draftsmith_tiny("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval2", f"inputs.distill={distill_run}",
+                           "drafter.num_layers=2", "evaluate.hf_assisted=false", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [again] = list((tmp_path / "eval2").glob("evaluate/*/report.json"))
     pipeline_report = json.loads(Path(pipeline.stdout.strip().splitlines()[-1]).read_text())
@@ -190,8 +210,9 @@ def test_evaluate_on_a_named_prompt_file_counts_prompts_seen_in_training(tiny_ru
     prompts = _prompt_file(tmp_path / "mine.jsonl", [
         {"id": "new", "prompt": "def fib(n):"}, {"id": "seen", "messages": trained.messages},
         {"id": "third", "prompt": "Write a haiku about caches."}])
-    proc = draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval", f"inputs.distill={distill_run}",
-                      f"evaluate.prompts={prompts}", "evaluate.num_prompts=2", "evaluate.hf_assisted=false", cwd=root)
+    proc = draftsmith_tiny("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval", f"inputs.distill={distill_run}",
+                           f"evaluate.prompts={prompts}", "evaluate.num_prompts=2", "evaluate.hf_assisted=false",
+                           cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1 of the 2 prompts" in proc.stdout
     [report_path] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
@@ -202,8 +223,8 @@ def test_evaluate_on_a_named_prompt_file_counts_prompts_seen_in_training(tiny_ru
     # a malformed file is refused before any model loads, and no run folder is left behind
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
-    proc = draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/bad", f"inputs.distill={distill_run}",
-                      f"evaluate.prompts={bad}", cwd=root)
+    proc = cli_in_process("evaluate", "experiment=tiny", f"outputs={tmp_path}/bad", f"inputs.distill={distill_run}",
+                          f"evaluate.prompts={bad}", cwd=root)
     assert proc.returncode == 2 and "line 1" in proc.stderr and "prompt" in proc.stderr, proc.stderr[-2000:]
     assert not list((tmp_path / "bad").glob("evaluate/*/report.json"))
 
@@ -211,15 +232,15 @@ def test_evaluate_on_a_named_prompt_file_counts_prompts_seen_in_training(tiny_ru
 def test_validate_every_without_held_out_examples_is_refused_before_training(tiny_run, tmp_path):
     root, pipeline = tiny_run
     gen = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
-    proc = draftsmith("distill", "experiment=tiny", f"inputs.generate={gen}", "distill.validate_every=2",
-                      "distill.val_fraction=0", f"outputs={tmp_path}/out", cwd=root)
+    proc = cli_in_process("distill", "experiment=tiny", f"inputs.generate={gen}", "distill.validate_every=2",
+                          "distill.val_fraction=0", f"outputs={tmp_path}/out", cwd=root)
     assert proc.returncode == 2 and "distill.val_fraction" in proc.stderr, proc.stderr[-1000:]
 
 
 def test_generate_resumes_from_finished_shards(tiny_run):
     root, _ = tiny_run
     out = root / "outputs"
-    proc = draftsmith("generate", "experiment=tiny", f"outputs={out}", cwd=root)
+    proc = draftsmith_tiny("generate", "experiment=tiny", f"outputs={out}", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming, 2/2 shards already finished" in proc.stdout
 
@@ -231,7 +252,7 @@ def test_more_prompts_answer_only_the_new_ones(tiny_run, tmp_path):
     root, pipeline = tiny_run
     out = root / "outputs"
     small = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
-    proc = draftsmith("generate", "experiment=tiny", "generate.num_prompts=14", f"outputs={out}", cwd=root)
+    proc = draftsmith_tiny("generate", "experiment=tiny", "generate.num_prompts=14", f"outputs={out}", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming, 2/4 shards already finished" in proc.stdout  # 8 prompts = 2 full shards of 4
     [grown] = [m.parent for m in out.glob("generate/*/manifest.json")
@@ -249,29 +270,29 @@ def test_export_never_replaces_foreign_folders(tiny_run, tmp_path):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "thesis.txt").write_text("keep me")
-    proc = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={precious}",
-                      "export.overwrite=true", cwd=root)
+    proc = cli_in_process("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={precious}",
+                          "export.overwrite=true", cwd=root)
     assert proc.returncode == 2 and "not a draftsmith export" in proc.stderr
     assert (precious / "thesis.txt").read_text() == "keep me"
     # an earlier export is replaced only when asked
     dest = tmp_path / "drafter"
-    assert draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
-                      cwd=root).returncode == 0
-    again = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}", cwd=root)
+    assert draftsmith_tiny("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
+                           cwd=root).returncode == 0
+    again = cli_in_process("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}", cwd=root)
     assert again.returncode == 2 and "export.overwrite=true" in again.stderr
-    assert draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
-                      "export.overwrite=true", cwd=root).returncode == 0
+    assert draftsmith_tiny("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
+                           "export.overwrite=true", cwd=root).returncode == 0
     # ... and never when the user put files of their own in it
     (dest / "my_notes.txt").write_text("keep me too")
-    proc = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
-                      "export.overwrite=true", cwd=root)
+    proc = cli_in_process("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={dest}",
+                          "export.overwrite=true", cwd=root)
     assert proc.returncode == 2 and "my_notes.txt" in proc.stderr, proc.stderr[-1000:]
     assert (dest / "my_notes.txt").read_text() == "keep me too" and (dest / "config.json").is_file()
     # an empty folder made beforehand is a fine destination
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={empty}",
-                      cwd=root).returncode == 0
+    assert draftsmith_tiny("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={empty}",
+                           cwd=root).returncode == 0
     assert (empty / "config.json").is_file() and not empty.with_name("empty.new").exists()
 
 
@@ -279,8 +300,8 @@ def test_export_never_replaces_a_run_folders_files(tiny_run, tmp_path, monkeypat
     root, proc = tiny_run
     drafter = Path(proc.stdout.strip().splitlines()[-1]).parent.parent / "distill" / "drafter"
     before = {p.name: p.read_bytes() for p in drafter.iterdir() if p.is_file()}
-    proc = draftsmith("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={drafter}",
-                      "export.overwrite=true", "export.dtype=bfloat16", cwd=root)
+    proc = cli_in_process("export", "experiment=tiny", f"outputs={root}/outputs", f"export.path={drafter}",
+                          "export.overwrite=true", "export.dtype=bfloat16", cwd=root)
     assert proc.returncode == 2 and "inside the distill run" in proc.stderr, proc.stderr[-1000:]
     assert {p.name: p.read_bytes() for p in drafter.iterdir() if p.is_file()} == before
     # a destination this user may not write to is refused with a message, before any work (checked in-process:
@@ -297,15 +318,15 @@ def test_pipeline_preflight_refuses_before_generating(tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("a folder of the user's")
-    proc = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", f"export.path={taken}",
-                      cwd=tmp_path)
+    proc = cli_in_process("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", f"export.path={taken}",
+                          cwd=tmp_path)
     assert proc.returncode == 2 and "not a draftsmith export" in proc.stderr
     assert "[1/4]" not in proc.stdout
 
 
 def test_pipeline_refuses_a_missing_evaluate_prompts_file_before_generating(tmp_path):
-    proc = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs",
-                      f"evaluate.prompts={tmp_path}/missing.jsonl", cwd=tmp_path)
+    proc = cli_in_process("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs",
+                          f"evaluate.prompts={tmp_path}/missing.jsonl", cwd=tmp_path)
     assert proc.returncode == 2 and "missing.jsonl" in proc.stderr and "evaluate.prompts" in proc.stderr, proc.stderr[-2000:]
     assert "[1/4]" not in proc.stdout
 
@@ -314,7 +335,7 @@ def test_pipeline_refuses_layers_the_base_model_lacks_before_generating(tmp_path
     for override, says in (("drafter.layers=[0,7]", "decoder layers 0..1"), ("drafter.num_layers=5", "at most 2"),
                            ("evaluate.compare_drafters=[no-such-drafter]", "no-such-drafter"),
                            (f"distill.resume={tmp_path}/nothing", "not a checkpoint-<step> folder")):
-        proc = draftsmith("pipeline", "experiment=tiny", override, f"outputs={tmp_path}/outputs", cwd=tmp_path)
+        proc = cli_in_process("pipeline", "experiment=tiny", override, f"outputs={tmp_path}/outputs", cwd=tmp_path)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-500:]
         assert "[1/4]" not in proc.stdout
 
@@ -324,21 +345,21 @@ def test_edited_prompt_file_is_not_served_from_stale_shards(tmp_path):
     args = ["generate", "experiment=tiny", "data=file", f"data.path={prompts}", f"outputs={tmp_path}/outputs",
             "generate.num_prompts=4", "evaluate.num_prompts=1"]
     prompts.write_text("".join(f"write a haiku about apples, number {i}\n" for i in range(6)))
-    assert draftsmith(*args, cwd=tmp_path).returncode == 0
+    assert draftsmith_tiny(*args, cwd=tmp_path).returncode == 0
     prompts.write_text("".join(f"write quicksort in Rust, variant {i}\n" for i in range(6)))
-    proc = draftsmith(*args, cwd=tmp_path)
+    proc = draftsmith_tiny(*args, cwd=tmp_path)
     assert proc.returncode == 0 and "resuming" not in proc.stdout
 
 
 def test_incomplete_input_is_refused(tmp_path):
     bad = tmp_path / "gen"
     bad.mkdir()
-    proc = draftsmith("distill", "experiment=tiny", f"outputs={tmp_path}/outputs", f"inputs.generate={bad}",
-                      cwd=tmp_path)
+    proc = cli_in_process("distill", "experiment=tiny", f"outputs={tmp_path}/outputs", f"inputs.generate={bad}",
+                          cwd=tmp_path)
     assert proc.returncode == 2 and "is not a generate run folder" in proc.stderr, proc.stderr[-1000:]
     (bad / "config.yaml").write_text("stage: generate\n")  # started (StageRun.start), never finished
-    proc = draftsmith("distill", "experiment=tiny", f"outputs={tmp_path}/outputs", f"inputs.generate={bad}",
-                      cwd=tmp_path)
+    proc = cli_in_process("distill", "experiment=tiny", f"outputs={tmp_path}/outputs", f"inputs.generate={bad}",
+                          cwd=tmp_path)
     assert proc.returncode == 2
     assert "COMPLETE" in proc.stderr and "did not finish" in proc.stderr
 
@@ -366,10 +387,10 @@ def test_malformed_prompt_lines_are_fatal_or_skipped_and_counted(tmp_path):
     prompts.write_text("\n".join(good[:3] + ["{not json", '{"prompt": ""}'] + good[3:]) + "\n")
     args = ["generate", "experiment=tiny", "data=file", f"data.path={prompts}", f"outputs={tmp_path}/outputs",
             "generate.num_prompts=4", "evaluate.num_prompts=1"]
-    fatal = draftsmith(*args, cwd=tmp_path)
+    fatal = cli_in_process(*args, cwd=tmp_path)
     assert fatal.returncode == 2 and "line 4" in fatal.stderr and "line 5" in fatal.stderr
     assert "data.on_bad_line=skip" in fatal.stderr
-    skipped = draftsmith(*args, "data.on_bad_line=skip", cwd=tmp_path)
+    skipped = draftsmith_tiny(*args, "data.on_bad_line=skip", cwd=tmp_path)
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     assert "skipped 2 malformed line(s)" in skipped.stdout
     [run] = list((tmp_path / "outputs" / "generate").glob("*"))
@@ -380,8 +401,9 @@ def test_malformed_prompt_lines_are_fatal_or_skipped_and_counted(tmp_path):
 def test_prompt_longer_than_the_context_is_refused_before_generating(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("short prompt one\nshort prompt two\n" + "x" * 2100 + "\nshort prompt three\n")
-    proc = draftsmith("generate", "experiment=tiny", "data=file", f"data.path={prompts}",
-                      f"outputs={tmp_path}/outputs", "generate.num_prompts=3", "evaluate.num_prompts=1", cwd=tmp_path)
+    proc = cli_in_process("generate", "experiment=tiny", "data=file", f"data.path={prompts}",
+                          f"outputs={tmp_path}/outputs", "generate.num_prompts=3", "evaluate.num_prompts=1",
+                          cwd=tmp_path)
     assert proc.returncode == 2
     assert "do not fit the target's context of 2048 tokens" in proc.stderr and "file/prompts/3" in proc.stderr
     assert not list((tmp_path / "outputs").glob(".shards/*/shard-*"))  # nothing generated
@@ -390,18 +412,18 @@ def test_prompt_longer_than_the_context_is_refused_before_generating(tmp_path):
 def test_drafter_for_another_target_is_refused_at_evaluate_and_export(tiny_run, tmp_path):
     root, _ = tiny_run
     for stage in ("evaluate", "export"):
-        proc = draftsmith(stage, "experiment=tiny", "target.name=tiny-drafter", f"outputs={root}/outputs",
-                          f"export.path={tmp_path / 'x'}", cwd=root)
+        proc = cli_in_process(stage, "experiment=tiny", "target.name=tiny-drafter", f"outputs={root}/outputs",
+                              f"export.path={tmp_path / 'x'}", cwd=root)
         assert proc.returncode == 2, stage
         assert "was tuned for target 'tiny-target'" in proc.stderr and "target.name=tiny-target" in proc.stderr
 
 
 def test_layer_choice_script_scores_candidate_layers(tmp_path):
     out = tmp_path / "outputs"
-    proc = draftsmith("generate", "experiment=tiny", "generate.store_top_k=8", f"outputs={out}", cwd=tmp_path)
+    proc = draftsmith_tiny("generate", "experiment=tiny", "generate.store_top_k=8", f"outputs={out}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [gen] = list(out.glob("generate/*"))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **TINY_THREADS}
     run = subprocess.run([sys.executable, str(REPO / "scripts" / "layer_choice.py"), "--generate", str(gen),
                           "--drafter", "tiny-target", "--dtype", "float32", "--max-seq-len", "2048", "--first", "1", "2", "--layers", "1",
                           "--out", str(tmp_path / "choice")], capture_output=True, text=True, env=env, cwd=tmp_path)
@@ -417,12 +439,10 @@ def test_layer_choice_script_scores_candidate_layers(tmp_path):
     assert bad.returncode == 2 and "0..1" in bad.stderr
 
 
-def test_drafter_quantization_script_scores_the_variants(tmp_path):
-    out = tmp_path / "outputs"
-    proc = draftsmith("generate", "experiment=tiny", f"outputs={out}", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    [gen] = list(out.glob("generate/*"))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+def test_drafter_quantization_script_scores_the_variants(tiny_run, tmp_path):
+    # the tiny pipeline's generate run: what `draftsmith generate experiment=tiny` writes, without running it again
+    gen = Path(tiny_run[1].stdout.strip().splitlines()[-1]).parent.parent / "generate"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **TINY_THREADS}
     run = subprocess.run([sys.executable, str(REPO / "scripts" / "drafter_quantization.py"), "--generate", str(gen),
                           "--target", "tiny-target", "--drafter", "tiny-target", "--dtype", "float32",
                           "--max-new-tokens", "12", "--out", str(tmp_path / "q")],
@@ -438,13 +458,11 @@ def test_drafter_quantization_script_scores_the_variants(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["benchmark_decoder.py", "drafter_quantization.py"])
-def test_scripts_name_a_model_that_is_not_there_without_a_traceback(tmp_path, script):
+def test_scripts_name_a_model_that_is_not_there_without_a_traceback(tiny_run, tmp_path, script):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    extra = ["--generate", str(tmp_path / "gen")] if script == "drafter_quantization.py" else []
-    if extra:  # a finished generate run, so that the script gets as far as loading the target
-        proc = draftsmith("generate", "experiment=tiny", "generate.num_prompts=2", f"outputs={tmp_path}", cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        extra = ["--generate", str(next(tmp_path.glob("generate/*")))]
+    # a finished generate run (the tiny pipeline's), so that the script gets as far as loading the target
+    generate = Path(tiny_run[1].stdout.strip().splitlines()[-1]).parent.parent / "generate"
+    extra = ["--generate", str(generate)] if script == "drafter_quantization.py" else []
     run = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--target", "no-such-model", *extra],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert run.returncode == 1 and f"{script}: error: " in run.stderr and "no-such-model" in run.stderr, run.stderr
@@ -470,19 +488,19 @@ def test_distill_adds_the_examples_of_extra_generate_runs(tiny_run, tmp_path):
                {"id": "new-2", "messages": [{"role": "user", "content": "explain a hash map"}]},
                {"id": "new-3", "messages": [{"role": "user", "content": "what is a monad"}]}]
     prompts = _prompt_file(tmp_path / "more.jsonl", records)
-    extras = []
-    for name in ("more", "again"):  # the same prompts answered twice, in two output roots
-        proc = draftsmith("generate", "experiment=tiny", "data=file", f"data.path={prompts}",
-                          "generate.num_prompts=4", "evaluate.num_prompts=1", f"outputs={tmp_path}/{name}", cwd=root)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        extras += [p.parent for p in (tmp_path / name).glob("generate/*/COMPLETE")]
-    extra, again = extras
+    proc = draftsmith_tiny("generate", "experiment=tiny", "data=file", f"data.path={prompts}", "generate.num_prompts=4",
+                           "evaluate.num_prompts=1", f"outputs={tmp_path}/more", cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the same prompts answered twice, in two output roots: the second a copy of the first (greedy answers, the
+    # rows a second generate would write), a run of its own to distill
+    shutil.copytree(tmp_path / "more", tmp_path / "again")
+    extra, again = [p.parent for name in ("more", "again") for p in (tmp_path / name).glob("generate/*/COMPLETE")]
     answered = [r for r in records if r["id"] != json.loads((extra / "eval_prompts.jsonl").read_text())["id"]]
     leaks = sum(r["id"] == "held-out" for r in answered)  # evaluate's prompt, if extra answered it
 
-    proc = draftsmith("distill", "experiment=tiny", f"inputs.generate={main}",
-                      f"inputs.extra_generate=[{extra},{again}]", "distill.max_steps=2", f"outputs={tmp_path}/out",
-                      cwd=root)
+    proc = draftsmith_tiny("distill", "experiment=tiny", f"inputs.generate={main}",
+                           f"inputs.extra_generate=[{extra},{again}]", "distill.max_steps=2", f"outputs={tmp_path}/out",
+                           cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [run] = [p.parent for p in (tmp_path / "out").glob("distill/*/COMPLETE")]
     manifest = json.loads((run / "manifest.json").read_text())
@@ -494,8 +512,8 @@ def test_distill_adds_the_examples_of_extra_generate_runs(tiny_run, tmp_path):
     assert ("held out for evaluation" in proc.stdout + proc.stderr) == bool(leaks)  # hydra logs to stdout
 
     # evaluate still measures on the main run's held-out prompts
-    proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={run}", "evaluate.hf_assisted=false",
-                      "evaluate.baseline=false", f"outputs={tmp_path}/eval", cwd=root)
+    proc = draftsmith_tiny("evaluate", "experiment=tiny", f"inputs.distill={run}", "evaluate.hf_assisted=false",
+                           "evaluate.baseline=false", f"outputs={tmp_path}/eval", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [report] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
     assert json.loads(report.read_text())["prompt_ids"] == [p["id"] for p in held_out]
@@ -503,8 +521,8 @@ def test_distill_adds_the_examples_of_extra_generate_runs(tiny_run, tmp_path):
     # the same run twice, or a folder that is not a finished generate run: refused before any model loads
     for extra_list, says in ((f"[{extra},{extra}]", "twice"), (f"[{main}]", "which is inputs.generate"),
                              (f"[{run}]", "inputs.extra_generate=<a generate run folder>")):
-        proc = draftsmith("distill", "experiment=tiny", f"inputs.generate={main}",
-                          f"inputs.extra_generate={extra_list}", f"outputs={tmp_path}/bad", cwd=root)
+        proc = cli_in_process("distill", "experiment=tiny", f"inputs.generate={main}",
+                              f"inputs.extra_generate={extra_list}", f"outputs={tmp_path}/bad", cwd=root)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-800:]
 
 
@@ -518,9 +536,9 @@ def test_extra_generate_runs_with_another_top_k_are_cut_to_the_smaller_k(tmp_pat
         prompts = _prompt_file(tmp_path / f"{text}.jsonl", [
             {"id": f"{text}-{i}", "messages": [{"role": "user", "content": f"a poem about {text}, {i}"}]}
             for i in range(3)])
-        proc = draftsmith("generate", "experiment=tiny", "data=file", f"data.path={prompts}",
-                          "generate.num_prompts=2", "evaluate.num_prompts=1", f"generate.store_top_k={k}",
-                          f"outputs={tmp_path}/{text}", cwd=tmp_path)
+        proc = draftsmith_tiny("generate", "experiment=tiny", "data=file", f"data.path={prompts}",
+                               "generate.num_prompts=2", "evaluate.num_prompts=1", f"generate.store_top_k={k}",
+                               f"outputs={tmp_path}/{text}", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         [runs[k]] = [p.parent for p in (tmp_path / text).glob("generate/*/COMPLETE")]
     dataset, held_out, _ = load_generated(runs[4])
@@ -538,8 +556,8 @@ def test_extra_generate_runs_with_another_top_k_are_cut_to_the_smaller_k(tmp_pat
 def test_pipeline_refuses_an_extra_generate_run_without_stored_log_probs(tiny_run, tmp_path):
     root, pipeline = tiny_run
     main = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"  # stored nothing
-    proc = draftsmith("pipeline", "experiment=tiny", "distill.target_source=stored", "generate.store_top_k=4",
-                      f"inputs.extra_generate=[{main}]", f"outputs={tmp_path}/outputs", cwd=root)
+    proc = cli_in_process("pipeline", "experiment=tiny", "distill.target_source=stored", "generate.store_top_k=4",
+                          f"inputs.extra_generate=[{main}]", f"outputs={tmp_path}/outputs", cwd=root)
     assert proc.returncode == 2 and "generate.store_top_k=20" in proc.stderr, proc.stderr[-800:]
     assert "[1/4]" not in proc.stdout
 
@@ -558,7 +576,7 @@ def test_max_prompt_tokens_passes_over_long_prompts(tmp_path):
     prompts.write_text("".join(t + "\n" for t in texts))
     args = ["generate", "experiment=tiny", "data=file", f"data.path={prompts}", f"outputs={tmp_path}/outputs",
             "evaluate.num_prompts=1", f"data.max_prompt_tokens={limit}"]
-    proc = draftsmith(*args, "generate.num_prompts=5", cwd=tmp_path)
+    proc = draftsmith_tiny(*args, "generate.num_prompts=5", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import datasets
 
@@ -568,7 +586,7 @@ def test_max_prompt_tokens_passes_over_long_prompts(tmp_path):
     passed_over = json.loads((run / "manifest.json").read_text())["prompts_over_max_tokens"]
     assert 0 <= passed_over <= 3 and (f"passed over {passed_over} prompt(s)" in proc.stdout) == (passed_over > 0)
     # six prompts are short enough: asking for seven is refused before the target loads, naming the key
-    proc = draftsmith(*args, "generate.num_prompts=6", cwd=tmp_path)
+    proc = cli_in_process(*args, "generate.num_prompts=6", cwd=tmp_path)
     assert proc.returncode == 2 and "data.max_prompt_tokens" in proc.stderr, proc.stderr[-800:]
 
 
@@ -576,14 +594,14 @@ def test_export_finds_the_evaluation_of_its_drafter_among_newer_ones(tiny_run, t
     root, pipeline = tiny_run
     run = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent
     out = tmp_path / "outputs"
-    assert draftsmith("distill", "experiment=tiny", f"inputs.generate={run / 'generate'}", "distill.max_steps=1",
-                      f"outputs={out}", cwd=root).returncode == 0
+    assert draftsmith_tiny("distill", "experiment=tiny", f"inputs.generate={run / 'generate'}", "distill.max_steps=1",
+                           f"outputs={out}", cwd=root).returncode == 0
     [mine] = [p.parent for p in out.glob("distill/*/COMPLETE")]
     for distill_run in (mine, run / "distill"):  # this drafter's evaluation, then a newer one of another drafter
-        proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={distill_run}", "evaluate.hf_assisted=false",
-                          f"outputs={out}", cwd=root)
+        proc = draftsmith_tiny("evaluate", "experiment=tiny", f"inputs.distill={distill_run}",
+                               "evaluate.hf_assisted=false", f"outputs={out}", cwd=root)
         assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = draftsmith("export", "experiment=tiny", f"inputs.distill={mine}", f"outputs={out}", cwd=root)
+    proc = draftsmith_tiny("export", "experiment=tiny", f"inputs.distill={mine}", f"outputs={out}", cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [export] = [p.parent for p in out.glob("export/*/COMPLETE")]
     used = Path(json.loads((export / "manifest.json").read_text())["inputs"]["evaluate"])
@@ -593,8 +611,8 @@ def test_export_finds_the_evaluation_of_its_drafter_among_newer_ones(tiny_run, t
 def test_distill_refuses_data_of_another_target_before_making_a_run_folder(tiny_run, tmp_path):
     root, pipeline = tiny_run
     gen = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
-    proc = draftsmith("distill", "experiment=tiny", "target.name=tiny-drafter", f"inputs.generate={gen}",
-                      f"outputs={tmp_path}/out", cwd=root)
+    proc = cli_in_process("distill", "experiment=tiny", "target.name=tiny-drafter", f"inputs.generate={gen}",
+                          f"outputs={tmp_path}/out", cwd=root)
     assert proc.returncode == 2 and "not by target 'tiny-drafter'" in proc.stderr, proc.stderr[-1000:]
     assert not (tmp_path / "out" / "distill").exists() or not any((tmp_path / "out" / "distill").iterdir())
 
@@ -602,18 +620,20 @@ def test_distill_refuses_data_of_another_target_before_making_a_run_folder(tiny_
 def test_a_pipeline_folder_given_as_a_stage_input_names_its_stage_folder(tiny_run, tmp_path):
     root, pipeline = tiny_run
     folder = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent
-    proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={folder}", f"outputs={tmp_path}", cwd=root)
+    proc = cli_in_process("evaluate", "experiment=tiny", f"inputs.distill={folder}", f"outputs={tmp_path}", cwd=root)
     assert proc.returncode == 2 and f"inputs.distill={folder / 'distill'}" in proc.stderr, proc.stderr[-1000:]
 
 
 def test_pipeline_run_again_reuses_its_finished_distill_stage(tmp_path):
     """A pipeline killed after distill finished (say, in evaluate): the same command again does not retrain."""
-    first = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
-                       cwd=tmp_path)
+    # a pipeline of its own: a copy of the module's outputs would not do, the data's identity (generate's
+    # manifest) names the outputs folder its shards are in
+    first = draftsmith_tiny("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
+                            cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     trained = Path(first.stdout.strip().splitlines()[-1]).parent.parent / "distill"
-    again = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
-                       cwd=tmp_path)
+    again = draftsmith_tiny("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
+                            cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"distill: {trained} already trained" in again.stdout
     report_path = Path(again.stdout.strip().splitlines()[-1])
@@ -621,8 +641,8 @@ def test_pipeline_run_again_reuses_its_finished_distill_stage(tmp_path):
     assert report["drafter"]["path"] == str(trained / "drafter") and report["stages"]["distill"]["reused"] == str(trained)
     assert f"distill (reused: {trained}, not trained again)" in report_path.with_name("report.md").read_text()
     # other settings, or distill.resume=never, train anew
-    other = draftsmith("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
-                       "distill.max_steps=9", cwd=tmp_path)
+    other = draftsmith_tiny("pipeline", "experiment=tiny", f"outputs={tmp_path}/outputs", "evaluate.hf_assisted=false",
+                            "distill.max_steps=9", cwd=tmp_path)
     assert other.returncode == 0 and "already trained" not in other.stdout, other.stderr[-2000:]
 
 
@@ -630,8 +650,9 @@ def test_pipeline_reads_given_generate_and_distill_runs_instead_of_redoing_them(
     root, pipeline = tiny_run
     first = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent
     out = tmp_path / "outputs"
-    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.generate={first.relative_to(root) / 'generate'}",
-                      f"outputs={out}", "evaluate.hf_assisted=false", cwd=root)  # a relative path: recorded absolute
+    # a relative path: recorded absolute
+    proc = draftsmith_tiny("pipeline", "experiment=tiny", f"inputs.generate={first.relative_to(root) / 'generate'}",
+                           f"outputs={out}", "evaluate.hf_assisted=false", cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"[1/4] generate: using {first / 'generate'}" in proc.stdout
     [run] = list((out / "pipeline").iterdir())
@@ -641,19 +662,19 @@ def test_pipeline_reads_given_generate_and_distill_runs_instead_of_redoing_them(
     assert "distill" in report["stages"] and "given" not in report["stages"]["distill"]
 
     # a given distill run brings its own generate run: neither stage runs
-    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.distill={run / 'distill'}", f"outputs={out}",
-                      "evaluate.hf_assisted=false", cwd=root)
+    proc = draftsmith_tiny("pipeline", "experiment=tiny", f"inputs.distill={run / 'distill'}", f"outputs={out}",
+                           "evaluate.hf_assisted=false", cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"[1/4] generate: using {first / 'generate'}" in proc.stdout
     assert f"[2/4] distill: using {run / 'distill'}" in proc.stdout
     report = json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())
     assert report["drafter"]["path"] == str(run / "distill" / "drafter")
 
-    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.evaluate={run / 'evaluate'}", f"outputs={out}",
-                      cwd=root)
+    proc = cli_in_process("pipeline", "experiment=tiny", f"inputs.evaluate={run / 'evaluate'}", f"outputs={out}",
+                          cwd=root)
     assert proc.returncode == 2 and "drop it" in proc.stderr, proc.stderr[-1000:]
-    proc = draftsmith("pipeline", "experiment=tiny", f"inputs.generate={tmp_path / 'nowhere'}", f"outputs={out}",
-                      cwd=root)
+    proc = cli_in_process("pipeline", "experiment=tiny", f"inputs.generate={tmp_path / 'nowhere'}", f"outputs={out}",
+                          cwd=root)
     assert proc.returncode == 2 and "inputs.generate=" in proc.stderr, proc.stderr[-1000:]
 
 
@@ -661,26 +682,26 @@ def test_distill_again_with_the_same_data_and_settings_does_not_train_again(tiny
     root, pipeline = tiny_run
     gen = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "generate"
     args = ("distill", "experiment=tiny", f"inputs.generate={gen}", "distill.max_steps=1", f"outputs={tmp_path}")
-    assert draftsmith(*args, cwd=root).returncode == 0
+    assert draftsmith_tiny(*args, cwd=root).returncode == 0
     [trained] = [p.parent for p in tmp_path.glob("distill/*/COMPLETE")]
-    again = draftsmith(*args, cwd=root)
+    again = draftsmith_tiny(*args, cwd=root)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"distill: {trained} already trained" in again.stdout
     assert list((tmp_path / "distill").iterdir()) == [trained]  # and no empty run folder
-    assert draftsmith(*args, "distill.resume=never", cwd=root).returncode == 0
+    assert draftsmith_tiny(*args, "distill.resume=never", cwd=root).returncode == 0
     assert len(list(tmp_path.glob("distill/*/COMPLETE"))) == 2
 
     # a sweep run again: each job folder names the finished run it found, and evaluate reads that folder
     sweep = ("distill", "-m", "experiment=tiny", f"inputs.generate={gen}", "distill.max_steps=1", "distill.lr=1e-3,2e-3",
              f"outputs={tmp_path}/sweeps")
-    assert draftsmith(*sweep, cwd=root).returncode == 0
-    again = draftsmith(*sweep, cwd=root)
+    assert draftsmith_tiny(*sweep, cwd=root).returncode == 0
+    again = draftsmith_tiny(*sweep, cwd=root)
     assert again.returncode == 0 and again.stdout.count("already trained") == 2, again.stderr[-2000:]
     first_sweep, second_sweep = sorted((tmp_path / "sweeps" / "multirun" / "distill").iterdir())
     job = next(second_sweep.glob("0_*"))
     assert json.loads((job / "reused.json").read_text()) == {"distill_run": str(next(first_sweep.glob("0_*")))}
-    proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={job}", "evaluate.hf_assisted=false",
-                      "evaluate.baseline=false", f"outputs={tmp_path}", cwd=root)
+    proc = draftsmith_tiny("evaluate", "experiment=tiny", f"inputs.distill={job}", "evaluate.hf_assisted=false",
+                           "evaluate.baseline=false", f"outputs={tmp_path}", cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())["drafter"]["path"] == str(
         next(first_sweep.glob("0_*")) / "drafter")
@@ -697,12 +718,13 @@ def test_held_out_prompts_of_another_generate_run_are_checked_against_the_traini
     trained_ids = set(load_from_disk(str(first / "generate" / "dataset"))["prompt_id"])
     trained = [p for p in load_prompts("humaneval") if p.id in trained_ids]
     prompts = _prompt_file(tmp_path / "trained.jsonl", [{"id": p.id, "messages": p.messages} for p in trained])
-    proc = draftsmith("generate", "experiment=tiny", "data=file", f"data.path={prompts}", "evaluate.num_prompts=2",
-                      f"generate.num_prompts={len(trained) - 2}", f"outputs={tmp_path}/gen", cwd=root)
+    proc = draftsmith_tiny("generate", "experiment=tiny", "data=file", f"data.path={prompts}", "evaluate.num_prompts=2",
+                           f"generate.num_prompts={len(trained) - 2}", f"outputs={tmp_path}/gen", cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [other] = [p.parent for p in (tmp_path / "gen").glob("generate/*/COMPLETE")]
-    proc = draftsmith("evaluate", "experiment=tiny", f"inputs.distill={first / 'distill'}", f"inputs.generate={other}",
-                      "evaluate.hf_assisted=false", f"outputs={tmp_path}/eval", cwd=root)
+    proc = draftsmith_tiny("evaluate", "experiment=tiny", f"inputs.distill={first / 'distill'}",
+                           f"inputs.generate={other}", "evaluate.hf_assisted=false", f"outputs={tmp_path}/eval",
+                           cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 of the 2 prompts" in proc.stdout
     [report_path] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
@@ -734,8 +756,8 @@ def test_a_damaged_file_in_a_finished_run_is_named_with_the_command_that_writes_
     weights = copy / "distill" / "drafter" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     for stage in ("evaluate", "export"):
-        refused = draftsmith(stage, "experiment=tiny", f"inputs.distill={copy / 'distill'}",
-                             f"outputs={tmp_path / 'out'}", cwd=tmp_path)
+        refused = cli_in_process(stage, "experiment=tiny", f"inputs.distill={copy / 'distill'}",
+                                 f"outputs={tmp_path / 'out'}", cwd=tmp_path)
         assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
         assert "drafter/model.safetensors is 1000 bytes" in refused.stderr and "is damaged" in refused.stderr
 
