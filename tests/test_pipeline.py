@@ -650,7 +650,7 @@ def test_pipeline_reads_given_generate_and_distill_runs_instead_of_redoing_them(
     root, pipeline = tiny_run
     first = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent
     out = tmp_path / "outputs"
-    # a relative path: recorded absolute
+    # inputs.generate as a relative path: recorded absolute
     proc = draftsmith_tiny("pipeline", "experiment=tiny", f"inputs.generate={first.relative_to(root) / 'generate'}",
                            f"outputs={out}", "evaluate.hf_assisted=false", cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
