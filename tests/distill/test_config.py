@@ -86,7 +86,7 @@ def test_out_of_range_values_name_the_key(override, key):
         _compose(override)
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

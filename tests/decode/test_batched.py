@@ -5,7 +5,7 @@ import torch
 
 from decode.batched import speculative_generate_batch
 from decode.speculative import speculative_generate, target_generate
-from tests.test_speculative import PROMPTS, drafter, target, tiny_model  # noqa: F401 (shared fixtures)
+from tests.decode.test_speculative import PROMPTS, drafter, target, tiny_model  # noqa: F401 (shared fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RAGGED = PROMPTS + [[9, 8, 7, 6], [250] * 7]

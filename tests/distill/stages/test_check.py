@@ -11,9 +11,9 @@ import torch
 from distill.errors import ConfigError, TokenizerMismatchError
 from distill.runs import COMPLETE
 from distill.stages import check as check_module
-from tests.test_config import _compose
-from tests.test_pipeline import draftsmith_tiny
-from tests.test_speculative import PROMPTS, tiny_model
+from tests.distill.test_config import _compose
+from tests.distill.stages.test_pipeline import draftsmith_tiny
+from tests.decode.test_speculative import PROMPTS, tiny_model
 
 
 def test_check_through_the_cli(tmp_path):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from decode.batched import speculative_generate_batch
 from decode.speculative import speculative_generate, target_generate
-from tests.test_speculative import tiny_model
+from tests.decode.test_speculative import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 40  # small, so random EOS ids actually occur

@@ -36,9 +36,9 @@ from distill.models.reduced_vocab import (
 )
 from distill.models.tiny import tiny_model, tiny_tokenizer
 from distill.training.loop import train_drafter
-from tests.test_speculative import first_token_frequencies
+from tests.decode.test_speculative import first_token_frequencies
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 100, 250, 3, 3, 3, 9, 12, 61, 200, 5]]
 
 pytestmark = pytest.mark.usefixtures("one_thread")

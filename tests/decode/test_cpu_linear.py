@@ -12,7 +12,7 @@ import decode.speculative as speculative
 from decode.cpu_linear import OneDNNLinear, onednn_linear_available, use_onednn_linear
 from decode.quantization import PerTokenDynamicLinear, drafter_for_decoding, quantize_drafter
 from decode.speculative import speculative_generate, target_generate
-from tests.test_speculative import PROMPTS, tiny_model
+from tests.decode.test_speculative import PROMPTS, tiny_model
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN")]

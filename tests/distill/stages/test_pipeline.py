@@ -19,9 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from distill.runs import COMPLETE
-from tests.test_config import cli_in_process
+from tests.distill.test_config import cli_in_process
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 REPORT_KEYS = ("acceptance_rate", "mean_accepted_tokens", "draft_length", "target_tokens_per_s",
                "speculative_tokens_per_s", "speedup", "num_prompts", "new_tokens")
 

@@ -8,7 +8,7 @@ from distill.config import LoggerConfig
 from distill.data.prompts import load_prompts
 from distill.errors import ConfigError, PromptError
 from distill.tracking import check_logger
-from tests.test_config import cli_in_process
+from tests.distill.test_config import cli_in_process
 
 
 def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):

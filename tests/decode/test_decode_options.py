@@ -9,7 +9,7 @@ from decode.benchmark import benchmark, measure_verify_costs, run_target_alone
 from decode.speculative import speculative_generate, target_generate
 from decode.stopping import StopStrings
 from distill.models.tiny import tiny_tokenizer
-from tests.test_speculative import PROMPTS, tiny_model
+from tests.decode.test_speculative import PROMPTS, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BYTES = 259  # the tiny byte tokenizer's vocabulary, so every token decodes

@@ -10,8 +10,8 @@ import pytest
 
 from distill.errors import DraftsmithError
 from distill.stages.gather import collect, find_sweep
-from tests.test_config import cli_in_process
-from tests.test_pipeline import draftsmith, draftsmith_tiny
+from tests.distill.test_config import cli_in_process
+from tests.distill.stages.test_pipeline import draftsmith, draftsmith_tiny
 
 
 def test_two_point_sweep_gathered(tmp_path):

@@ -24,7 +24,7 @@ from decode.metrics import DecodeStats
 from decode.prompt_lookup import PromptLookupDrafter, lookup_draft
 from decode.speculative import speculative_generate, target_generate
 from decode.teacher_forcing import drafter_predictions, sampling_betas, target_answers
-from tests.test_speculative import tiny_model
+from tests.decode.test_speculative import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64

@@ -206,11 +206,11 @@ def test_launcher_processes_that_accelerate_does_not_join_are_refused(monkeypatc
 # ---------------------------------------------------------------------------------------------
 # the stage command itself: `torchrun --nproc_per_node 2 -m distill.cli distill ...`
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 
 
 def _cli_env() -> dict:
-    # PYTHONPATH: this checkout's code even where another copy is pip-installed (as tests/test_pipeline.py)
+    # PYTHONPATH: this checkout's code even where another copy is pip-installed (as tests/distill/stages/test_pipeline.py)
     return {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
             "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 

@@ -25,8 +25,8 @@ from distill.training.resume import (
     prepare_resume,
     resume_key,
 )
-from tests.test_config import _compose
-from tests.test_pipeline import REPO, draftsmith
+from tests.distill.test_config import _compose
+from tests.distill.stages.test_pipeline import REPO, draftsmith
 
 
 def _fake_run(root: Path, name: str, key: str, steps=(5, 10), complete=False) -> Path:

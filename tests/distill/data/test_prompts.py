@@ -269,7 +269,7 @@ def test_eval_split_is_stratified_by_source():
 
 def test_sharegpt_without_a_length_limit_is_warned_about(caplog):
     from distill.data.generated import prompt_length_limit
-    from tests.test_config import _compose
+    from tests.distill.test_config import _compose
 
     with caplog.at_level("WARNING", logger="distill.stages.generate"):
         assert prompt_length_limit(_compose("experiment=tiny", "data.source=sharegpt")) is None

@@ -21,7 +21,7 @@ from distill.training.losses import (
     top_k_distillation_loss,
     top_k_log_probs,
 )
-from tests.test_pipeline import draftsmith
+from tests.distill.stages.test_pipeline import draftsmith
 
 VOCAB = 300
 KINDS = ("fkl", "rkl", "jsd", "tvd")
