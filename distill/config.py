@@ -4,13 +4,16 @@ The YAML files under ``conf/`` are merged on top of :class:`Config`, so a
 misspelled key fails at compose time ("Key 'lrr' is not in struct"), and
 :func:`to_config` turns the merged tree into these dataclasses, whose
 ``__post_init__`` checks ranges and raises :class:`~distill.errors.ConfigError`
-naming the key to change.
+naming the key to change. Each field's ``metadata["help"]`` says what it sets:
+``draftsmith <stage> --help`` prints it beside the key (:func:`annotated_yaml`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -37,10 +40,12 @@ def _check(ok: bool, key: str, message: str) -> None:
 class TargetConfig:
     """The target model: the large model whose output must not change."""
 
-    name: str = "qwen2.5-coder-1.5b-instruct"  # shipped name, HF folder, .gguf file or hub id
-    # used to generate data, score it and to decode; auto = bfloat16 where the hardware has bf16 matrix units
-    # (CUDA Ampere+, CPUs with AVX512-BF16/AMX), else float32 (distill.hardware.resolve_auto)
-    dtype: str = "auto"
+    name: str = field(default="qwen2.5-coder-1.5b-instruct", metadata={
+        "help": "shipped name, HF folder, .gguf file or hub id"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto | float32 | bfloat16 | float16, to generate data, score it and decode; auto = bfloat16 where "
+                "the hardware has bf16 matrix units (CUDA Ampere+, CPUs with AVX512-BF16/AMX), else float32 "
+                "(distill.hardware.resolve_auto)"})
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "target.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
@@ -50,17 +55,22 @@ class TargetConfig:
 class DrafterConfig:
     """The draft model before distillation, and how it is cut from its base."""
 
-    name: str = "qwen2.5-coder-0.5b-instruct"  # base model the drafter starts from
-    init: str = "sibling"  # sibling: the whole base model; layers: a depth-pruned copy of it
-    num_layers: Optional[int] = None  # with init=layers: decoder layers kept
-    layer_selection: str = "first"  # with init=layers: first N, or N evenly spaced
-    # with init=layers: explicit decoder layer indices to keep, ascending (e.g. [0,1,2,15,...,23]); overrides
-    # num_layers and layer_selection. Keeping the first few and the last layers starts far better than either.
-    layers: Optional[list[int]] = None
-    dtype: str = "auto"  # dtype when decoding (training runs in float32); auto as target.dtype
-    # EAGLE-3-style reduced vocabulary: the drafter's LM head predicts only the N most frequent tokens of the
-    # training completions (e.g. 32000); null = the full vocabulary. Decoding stays lossless.
-    draft_vocab_size: Optional[int] = None
+    name: str = field(default="qwen2.5-coder-0.5b-instruct", metadata={
+        "help": "base model the drafter starts from (as target.name)"})
+    init: str = field(default="sibling", metadata={
+        "help": "sibling: the whole base model; layers: a depth-pruned copy of it"})
+    num_layers: Optional[int] = field(default=None, metadata={"help": "with init=layers: decoder layers kept"})
+    layer_selection: str = field(default="first", metadata={
+        "help": "with init=layers: first N, or N evenly spaced (first | even)"})
+    layers: Optional[list[int]] = field(default=None, metadata={
+        "help": "with init=layers: explicit decoder layer indices to keep, ascending (e.g. [0,1,2,15,...,23]); "
+                "overrides num_layers and layer_selection. Keeping the first few and the last layers starts far "
+                "better than either"})
+    dtype: str = field(default="auto", metadata={
+        "help": "dtype when decoding (training runs in float32); auto as target.dtype"})
+    draft_vocab_size: Optional[int] = field(default=None, metadata={
+        "help": "EAGLE-3-style reduced vocabulary: the drafter's LM head predicts only the N most frequent tokens of "
+                "the training completions (e.g. 32000); null = the full vocabulary. Decoding stays lossless"})
 
     def __post_init__(self) -> None:
         _check(self.init in ("sibling", "layers"), "drafter.init", f"must be 'sibling' or 'layers', got {self.init!r}")
@@ -90,14 +100,17 @@ class DrafterConfig:
 class DataConfig:
     """Where prompts come from. Evaluation prompts are held out from training prompts."""
 
-    source: str = "mixed"  # humaneval | mtbench | sharegpt | mixed | file
-    path: Optional[str] = None  # with source=file: a .jsonl ({"prompt": ...} or {"messages": [...]}) or .txt file
-    seed: int = 0  # split seed
-    on_bad_line: str = "error"  # a malformed line of data.path: error (all listed) | skip (warned, counted)
-    # prompts longer than this many tokens (chat template included) are passed over; null = no limit. A long
-    # prompt pads its whole generate batch to its length (a 4,119-token ShareGPT prompt stalled a batch of 8
-    # for minutes here)
-    max_prompt_tokens: Optional[int] = None
+    source: str = field(default="mixed", metadata={"help": "humaneval | mtbench | sharegpt | mixed | file"})
+    path: Optional[str] = field(default=None, metadata={
+        "help": 'with source=file: a .jsonl ({"prompt": ...} or {"messages": [...]}) or .txt file'})
+    seed: int = field(default=0, metadata={
+        "help": "seed of the train/held-out prompt split (and of generate's sampling)"})
+    on_bad_line: str = field(default="error", metadata={
+        "help": "a malformed line of data.path: error (all listed) | skip (warned, counted)"})
+    max_prompt_tokens: Optional[int] = field(default=None, metadata={
+        "help": "prompts longer than this many tokens (chat template included) are passed over; null = no limit. A "
+                "long prompt pads its whole generate batch to its length (a 4,119-token ShareGPT prompt stalled a "
+                "batch of 8 for minutes)"})
 
     def __post_init__(self) -> None:
         _check(self.on_bad_line in ("error", "skip"), "data.on_bad_line", "must be error or skip")
@@ -112,15 +125,17 @@ class DataConfig:
 class GenerateConfig:
     """Stage 1: the target answers training prompts."""
 
-    num_prompts: int = 48
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    batch_size: int = 8
-    shard_size: int = 16  # prompts per shard written to disk (the unit of resume)
-    # keep the target's k most likely tokens + log-probs per answer token, so distill can run without
-    # the target (distill.target_source=stored); 0 = off. ~16 bytes x k per token on disk.
-    store_top_k: int = 0
+    num_prompts: int = field(default=48, metadata={
+        "help": "training prompts answered (the target also answers the evaluate.num_prompts held-out ones)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "answer tokens per prompt, at most"})
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature of the answers; 0 = greedy"})
+    top_p: float = field(default=1.0, metadata={
+        "help": "nucleus sampling: only the most likely tokens up to this probability (1 = all)"})
+    batch_size: int = field(default=8, metadata={"help": "prompts answered together"})
+    shard_size: int = field(default=16, metadata={"help": "prompts per shard written to disk (the unit of resume)"})
+    store_top_k: int = field(default=0, metadata={
+        "help": "keep the target's k most likely tokens + log-probs per answer token, so distill can run without the "
+                "target (distill.target_source=stored); 0 = off. ~16 bytes x k per token on disk"})
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
@@ -136,43 +151,56 @@ class GenerateConfig:
 class DistillConfig:
     """Stage 2: the drafter learns the target's next-token distributions."""
 
-    loss: str = "fkl"  # fkl | rkl | jsd | tvd | ce
-    # online: the target scores every batch (no gradient); stored: use the top-k log-probs that
-    # generate.store_top_k kept (no target in memory, ~2x faster steps; divergences on k+1 buckets)
-    target_source: str = "online"
-    # GKD's lambda: share of batches the drafter answers itself (sampled) for the target to score
-    on_policy_fraction: float = 0.0
-    on_policy_temperature: float = 1.0
-    jsd_beta: float = 0.5  # generalized JSD weight: 0 = forward KL, 1 = reverse KL (GKD)
-    temperature: float = 1.0  # softmax temperature of both distributions in the loss
-    method: str = "lora"  # lora | full | qlora (LoRA on a bitsandbytes 4-bit base; CUDA only)
-    # With method=full: keep the input embeddings and LM head frozen (they are the target family's own,
-    # 2 x 136M parameters in a Qwen 0.5B drafter) and train the decoder layers and final norm only.
-    freeze_embeddings: bool = True
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lr: float = 2e-4
-    max_steps: int = 30
-    batch_size: int = 4
-    grad_accum: int = 1
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    max_seq_len: int = 512
-    # auto | no | bf16 | fp16: autocast for the drafter's forward (weights stay fp32). auto = bf16 where the
-    # hardware has bf16 matrix units (CUDA Ampere+, CPUs with AVX512-BF16/AMX), else no: without them bf16
-    # runs a scalar fallback, ~40x slower backward on an AVX2 CPU
-    mixed_precision: str = "auto"
-    val_fraction: float = 0.1  # share of generated examples held out for the validation metric
-    # also validate every N optimizer steps (0 = before and after only): checkpoints/validation.jsonl + logger
-    validate_every: int = 0
-    checkpoint_every: int = 10  # optimizer steps between checkpoints (0 = only at the end)
-    # newest checkpoints kept on disk (0 = all): a full 0.5B checkpoint with optimizer state is ~6 GB
-    keep_checkpoints: int = 2
-    # auto: continue the newest unfinished run of the same data and settings from its last checkpoint
-    # (run the same command again after a crash); never: start fresh; or a checkpoint-<step> folder
-    resume: str = "auto"
-    seed: int = 0
+    loss: str = field(default="fkl", metadata={
+        "help": "fkl (forward KL) | rkl (reverse KL) | jsd (generalized JSD, jsd_beta) | tvd (total variation) | ce "
+                "(cross-entropy on the target's tokens)"})
+    target_source: str = field(default="online", metadata={
+        "help": "online: the target scores every batch (no gradient); stored: use the top-k log-probs that "
+                "generate.store_top_k kept (no target in memory, ~2x faster steps; divergences on k+1 buckets)"})
+    on_policy_fraction: float = field(default=0.0, metadata={
+        "help": "GKD's lambda: share of batches the drafter answers itself (sampled) for the target to score"})
+    on_policy_temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature of the drafter's own answers"})
+    jsd_beta: float = field(default=0.5, metadata={
+        "help": "generalized JSD weight: 0 = forward KL, 1 = reverse KL (GKD)"})
+    temperature: float = field(default=1.0, metadata={"help": "softmax temperature of both distributions in the loss"})
+    method: str = field(default="lora", metadata={
+        "help": "lora | full | qlora (LoRA on a bitsandbytes 4-bit base; CUDA only)"})
+    freeze_embeddings: bool = field(default=True, metadata={
+        "help": "with method=full: keep the input embeddings and LM head frozen (they are the target family's own, 2 "
+                "x 136M parameters in a Qwen 0.5B drafter) and train the decoder layers and final norm only"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (on the attention and MLP projections)"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the update is scaled by lora_alpha / lora_r"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA branch's input"})
+    lr: float = field(default=2e-4, metadata={
+        "help": "peak learning rate (AdamW): linear warmup to it, then linear decay to 0 at max_steps"})
+    max_steps: int = field(default=30, metadata={"help": "optimizer steps in all (a resumed run's included)"})
+    batch_size: int = field(default=4, metadata={"help": "examples per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warmup"})
+    weight_decay: float = field(default=0.0, metadata={
+        "help": "AdamW's decoupled weight decay (none on biases and norms)"})
+    max_seq_len: int = field(default=512, metadata={
+        "help": "prompt + answer tokens per example; longer ones are cut (the prompt from the left, the answer from "
+                "the right)"})
+    mixed_precision: str = field(default="auto", metadata={
+        "help": "auto | no | bf16 | fp16: autocast for the drafter's forward (weights stay fp32). auto = bf16 where "
+                "the hardware has bf16 matrix units (CUDA Ampere+, CPUs with AVX512-BF16/AMX), else no: without them "
+                "bf16 runs a scalar fallback, ~40x slower backward on an AVX2 CPU"})
+    val_fraction: float = field(default=0.1, metadata={
+        "help": "share of generated examples held out for the validation metric"})
+    validate_every: int = field(default=0, metadata={
+        "help": "also validate every N optimizer steps (0 = before and after only): checkpoints/validation.jsonl + "
+                "logger"})
+    checkpoint_every: int = field(default=10, metadata={
+        "help": "optimizer steps between checkpoints (0 = only at the end)"})
+    keep_checkpoints: int = field(default=2, metadata={
+        "help": "newest checkpoints kept on disk (0 = all): a full 0.5B checkpoint with optimizer state is ~6 GB"})
+    resume: str = field(default="auto", metadata={
+        "help": "auto: continue the newest unfinished run of the same data and settings from its last checkpoint "
+                "(run the same command again after a crash); never: start fresh; or a checkpoint-<step> folder"})
+    seed: int = field(default=0, metadata={
+        "help": "seed of the data order and, in a fresh run, of torch's random numbers (LoRA dropout)"})
 
     def __post_init__(self) -> None:
         _check(self.loss in LOSSES, "distill.loss", f"must be one of {LOSSES}, got {self.loss!r}")
@@ -208,20 +236,25 @@ class DistillConfig:
 class DecodeConfig:
     """The bundled speculative decoder's settings, used by evaluate."""
 
-    draft_length: int = 3  # K (gamma): draft tokens proposed per target forward
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    # constant: K every block; heuristic: transformers' rule (K+2 after a fully accepted block, else K-1);
-    # auto: K chosen from a short calibration (per-position acceptance, c, verification cost)
-    schedule: str = "constant"
-    max_draft_length: Optional[int] = None  # heuristic: cap on K (null = none); auto: calibration K (null = 8)
-    confidence_threshold: float = 0.0  # stop a draft block below this drafter probability (0 = off)
-    stop_strings: list[str] = field(default_factory=list)  # stop after the token completing one of these
-    # the drafter as the decoder runs it: auto = int8-dynamic on CPU (about 3x cheaper forwards), none on GPU;
-    # never changes the output, only the cost ratio c and (slightly) acceptance
-    drafter_quantization: str = "auto"
+    draft_length: int = field(default=3, metadata={"help": "K (gamma): draft tokens proposed per target forward"})
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature; 0 = greedy"})
+    top_k: int = field(default=0, metadata={"help": "sample from the k most likely tokens only; 0 = off"})
+    top_p: float = field(default=1.0, metadata={
+        "help": "nucleus sampling: only the most likely tokens up to this probability (1 = all)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "tokens decoded per prompt, at most"})
+    schedule: str = field(default="constant", metadata={
+        "help": "constant: K every block; heuristic: transformers' rule (K+2 after a fully accepted block, else "
+                "K-1); auto: K chosen from a short calibration (per-position acceptance, c, verification cost)"})
+    max_draft_length: Optional[int] = field(default=None, metadata={
+        "help": "heuristic: cap on K (null = none); auto: calibration K (null = 8)"})
+    confidence_threshold: float = field(default=0.0, metadata={
+        "help": "stop a draft block below this drafter probability (0 = off)"})
+    stop_strings: list[str] = field(default_factory=list, metadata={
+        "help": "stop after the token completing one of these"})
+    drafter_quantization: str = field(default="auto", metadata={
+        "help": "auto | none | int8-dynamic: the drafter as the decoder runs it; auto = int8-dynamic on CPU (about "
+                "3x cheaper forwards), none on GPU. Never changes the output, only the cost ratio c and (slightly) "
+                "acceptance"})
 
     def __post_init__(self) -> None:
         _check(self.draft_length >= 1, "decode.draft_length", "must be >= 1")
@@ -251,21 +284,29 @@ class DecodeConfig:
 class EvaluateConfig:
     """Stage 3: measure the drafter before and after distillation on held-out prompts."""
 
-    # held-out evaluation prompts (never used for training): the target answers all of them once (batched) and
-    # every drafter's acceptance and tau on them are simulated exactly from one teacher-forced pass
-    num_prompts: int = 128
-    timed_prompts: int = 6  # the first (at most num_prompts) also decoded in real time: tokens/s, c, verify costs
-    prompt_lookup: bool = True  # also simulate prompt-lookup drafting (no model), the free baseline
-    # a prompt file (the format data=file reads) to evaluate on instead of the generate run's held-out prompts:
-    # its first num_prompts; prompts that were in the distill run's training data are counted in the report
-    prompts: Optional[str] = None
-    hf_assisted: bool = True  # also time transformers' assisted generation with the tuned drafter
-    baseline: bool = True  # also measure the undistilled drafter
-    # other drafters measured untrained in the same run, on the same prompts (shipped names or model folders),
-    # e.g. "[qwen2.5-coder-0.5b-instruct]" to check a depth-pruned drafter against the whole sibling
-    compare_drafters: list[str] = field(default_factory=list)
-    target_engine: str = "hf"  # target-alone baseline: hf = transformers generate, loop = our KV-cached loop
-    seed: int = 0
+    num_prompts: int = field(default=128, metadata={
+        "help": "held-out evaluation prompts (never used for training): the target answers all of them once "
+                "(batched) and every drafter's acceptance and tau on them are simulated exactly from one "
+                "teacher-forced pass"})
+    timed_prompts: int = field(default=6, metadata={
+        "help": "the first (at most num_prompts) also decoded in real time: tokens/s, c, verify costs"})
+    prompt_lookup: bool = field(default=True, metadata={
+        "help": "also simulate prompt-lookup drafting (no model), the free baseline"})
+    prompts: Optional[str] = field(default=None, metadata={
+        "help": "a prompt file (the format data=file reads) to evaluate on instead of the generate run's held-out "
+                "prompts: its first num_prompts; prompts that were in the distill run's training data are counted in "
+                "the report"})
+    hf_assisted: bool = field(default=True, metadata={
+        "help": "also time transformers' assisted generation with the tuned drafter"})
+    baseline: bool = field(default=True, metadata={"help": "also measure the undistilled drafter"})
+    compare_drafters: list[str] = field(default_factory=list, metadata={
+        "help": "other drafters measured untrained in the same run, on the same prompts (shipped names or model "
+                'folders), e.g. "[qwen2.5-coder-0.5b-instruct]" to check a depth-pruned drafter against the whole '
+                "sibling"})
+    target_engine: str = field(default="hf", metadata={
+        "help": "target-alone baseline: hf = transformers generate, loop = our KV-cached loop"})
+    seed: int = field(default=0, metadata={
+        "help": "seed of sampled decoding, the simulations and the bootstrap intervals"})
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "evaluate.num_prompts", "must be >= 1")
@@ -285,11 +326,12 @@ class EvaluateConfig:
 class CheckConfig:
     """``draftsmith check``: pre-flight measurements of a target/drafter pair, no training."""
 
-    num_prompts: int = 4  # held-out prompts of data.* measured
-    draft_length: int = 5  # K of the top-1 agreement and acceptance measurements
-    max_new_tokens: int = 48  # tokens decoded per prompt for the acceptance measurement
-    accuracy_threshold: float = 0.7  # the source article's bar for top-1 agreement
-    max_draft_length: int = 8  # largest K considered for the recommendation
+    num_prompts: int = field(default=4, metadata={"help": "held-out prompts of data.* measured"})
+    draft_length: int = field(default=5, metadata={"help": "K of the top-1 agreement and acceptance measurements"})
+    max_new_tokens: int = field(default=48, metadata={
+        "help": "tokens decoded per prompt for the acceptance measurement"})
+    accuracy_threshold: float = field(default=0.7, metadata={"help": "the source article's bar for top-1 agreement"})
+    max_draft_length: int = field(default=8, metadata={"help": "largest K considered for the recommendation"})
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "check.num_prompts", "must be >= 1")
@@ -304,11 +346,12 @@ class CheckConfig:
 class ExportConfig:
     """Stage 4: write the tuned drafter for other tools."""
 
-    path: Optional[str] = None  # destination folder; default <run>/drafter-hf
-    overwrite: bool = False  # replace an existing export folder
-    dtype: str = "bfloat16"  # dtype of the saved weights
-    gguf: bool = False  # also write drafter.gguf (llama.cpp) into the export folder
-    gguf_dtype: str = "f16"  # f16 | bf16 | f32 for the GGUF's 2-D weights
+    path: Optional[str] = field(default=None, metadata={"help": "destination folder; null = <run>/drafter-hf"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing export folder"})
+    dtype: str = field(default="bfloat16", metadata={
+        "help": "dtype of the saved weights (auto | float32 | bfloat16 | float16)"})
+    gguf: bool = field(default=False, metadata={"help": "also write drafter.gguf (llama.cpp) into the export folder"})
+    gguf_dtype: str = field(default="f16", metadata={"help": "f16 | bf16 | f32 for the GGUF's 2-D weights"})
 
     def __post_init__(self) -> None:
         _check(self.gguf_dtype in ("f16", "bf16", "f32"), "export.gguf_dtype",
@@ -320,9 +363,9 @@ class ExportConfig:
 class LoggerConfig:
     """Experiment tracking: none, console, jsonl (metrics file) or wandb."""
 
-    kind: str = "wandb"
-    project: str = "draftsmith"
-    mode: str = "offline"  # wandb mode: offline | online | disabled
+    kind: str = field(default="wandb", metadata={"help": "none | console | jsonl (metrics file) | wandb"})
+    project: str = field(default="draftsmith", metadata={"help": "wandb project"})
+    mode: str = field(default="offline", metadata={"help": "wandb mode: offline | online | disabled"})
 
     def __post_init__(self) -> None:
         kinds = ("none", "console", "jsonl", "wandb")
@@ -334,33 +377,46 @@ class LoggerConfig:
 class InputsConfig:
     """Run folders a single stage reads. Empty = the newest complete run of that stage under outputs/."""
 
-    generate: Optional[str] = None  # read by distill and evaluate
-    # more finished generate runs whose training answers distill adds to those of `generate` (same target,
-    # same store_top_k); evaluation keeps the held-out prompts of `generate`, whose prompts are dropped from these
-    extra_generate: list[str] = field(default_factory=list)
-    distill: Optional[str] = None  # read by evaluate and export
-    evaluate: Optional[str] = None  # read by export (figures for the model card)
-    sweep: Optional[str] = None  # read by gather: a multirun folder (empty = the newest under outputs/multirun)
+    generate: Optional[str] = field(default=None, metadata={"help": "a generate run, read by distill and evaluate"})
+    extra_generate: list[str] = field(default_factory=list, metadata={
+        "help": "more finished generate runs whose training answers distill adds to those of `generate` (same "
+                "target, same store_top_k); evaluation keeps the held-out prompts of `generate`, whose prompts are "
+                "dropped from these"})
+    distill: Optional[str] = field(default=None, metadata={"help": "a distill run, read by evaluate and export"})
+    evaluate: Optional[str] = field(default=None, metadata={
+        "help": "an evaluate run, read by export (figures for the model card)"})
+    sweep: Optional[str] = field(default=None, metadata={
+        "help": "read by gather: a multirun folder (null = the newest under outputs/multirun)"})
 
 
 @dataclass
 class Config:
     """The whole configuration; ``stage`` is set by the ``draftsmith <stage>`` command."""
 
-    stage: str = "pipeline"
-    outputs: str = "outputs"  # root of all run folders
-    target: TargetConfig = field(default_factory=TargetConfig)
-    drafter: DrafterConfig = field(default_factory=DrafterConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
-    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-    check: CheckConfig = field(default_factory=CheckConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    inputs: InputsConfig = field(default_factory=InputsConfig)
-    experiment: Optional[str] = None  # name of the chosen experiment, for the record
+    stage: str = field(default="pipeline", metadata={
+        "help": "the stage run, set by `draftsmith <stage>`: " + " | ".join(STAGES)})
+    outputs: str = field(default="outputs", metadata={"help": "root of all run folders"})
+    target: TargetConfig = field(default_factory=TargetConfig, metadata={
+        "help": "the target model, whose output must not change"})
+    drafter: DrafterConfig = field(default_factory=DrafterConfig, metadata={
+        "help": "the draft model before distillation"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "where prompts come from"})
+    generate: GenerateConfig = field(default_factory=GenerateConfig, metadata={
+        "help": "stage 1: the target answers training prompts"})
+    distill: DistillConfig = field(default_factory=DistillConfig, metadata={
+        "help": "stage 2: the drafter learns the target's distributions"})
+    decode: DecodeConfig = field(default_factory=DecodeConfig, metadata={
+        "help": "the speculative decoder evaluate runs"})
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig, metadata={
+        "help": "stage 3: the drafter measured before and after"})
+    export: ExportConfig = field(default_factory=ExportConfig, metadata={
+        "help": "stage 4: the tuned drafter written for other tools"})
+    check: CheckConfig = field(default_factory=CheckConfig, metadata={
+        "help": "draftsmith check: pre-flight measurements, no training"})
+    logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "experiment tracking"})
+    inputs: InputsConfig = field(default_factory=InputsConfig, metadata={
+        "help": "run folders a single stage reads (null = the newest complete run of that stage under outputs/)"})
+    experiment: Optional[str] = field(default=None, metadata={"help": "name of the chosen experiment, for the record"})
 
     def __post_init__(self) -> None:
         _check(self.stage in STAGES, "stage", f"must be one of {STAGES}, got {self.stage!r}")
@@ -374,12 +430,56 @@ def _slug(text: str) -> str:
     return text if len(text) <= 120 else text[:100] + "-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def annotated_yaml(node: DictConfig | dict, cls: type | None = Config, width: int = 100) -> str:
+    """``OmegaConf.to_yaml(node)`` (unresolved) with each key's help, its field's ``metadata["help"]``, as a YAML
+    comment: after the value where the line fits in ``width`` (aligned within its section), else wrapped onto
+    comment lines above the key. Keys that ``cls`` lacks (a free-form value's) have none."""
+    tree = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else node
+    return "\n".join(_annotated_lines(tree, cls, "", width)) + "\n"
+
+
+def _annotated_lines(tree: dict, cls: type | None, indent: str, width: int) -> list[str]:
+    """The lines of :func:`annotated_yaml` for the keys of ``tree``, a section at ``indent``, and theirs."""
+    known = {f.name: f for f in dataclasses.fields(cls)} if cls else {}
+    entries = []
+    for key, value in tree.items():
+        f = known.get(key)
+        lines = [indent + line for line in OmegaConf.to_yaml({key: value}).splitlines()]  # OmegaConf's quoting
+        nested = isinstance(value, dict) and bool(value)  # a section: its `key:` line here, its keys below
+        entries.append((lines[:1] if nested else lines, f.metadata.get("help", "") if f else "", value, nested, f))
+    column = max((len(lines[0]) for lines, *_ in entries if len(lines) == 1 and len(lines[0]) <= 40), default=0) + 2
+    out: list[str] = []
+    for lines, help, value, nested, f in entries:
+        trailing = lines[0].ljust(max(column, len(lines[0]) + 2)) + "# " + help
+        if help and len(lines) == 1 and len(trailing) <= width:
+            out.append(trailing)
+        else:
+            wrapped = textwrap.wrap(help, width - len(indent) - 2, break_on_hyphens=False)
+            out += [f"{indent}# {line}" for line in wrapped]
+            out += lines
+        if nested:
+            section = f.default_factory if f else None
+            out += _annotated_lines(value, section if dataclasses.is_dataclass(section) else None, indent + "  ", width)
+    return out
+
+
+def _config_help(*, _root_: DictConfig) -> str:
+    """``${draftsmith_config_help:}`` in conf/hydra/default.yaml's help template: the composed config, Hydra's
+    own part left out, as :func:`annotated_yaml` writes it, each ``$`` doubled for the template's
+    ``string.Template``."""
+    tree = OmegaConf.to_container(_root_, resolve=False)
+    tree.pop("hydra", None)
+    return annotated_yaml(tree).replace("$", "$$")
+
+
 def register_configs() -> None:
-    """Register :class:`Config` as ``draftsmith_schema`` (first entry of conf/config.yaml's defaults)
-    and the ``slug`` resolver used by the sweep folder names."""
+    """Register :class:`Config` as ``draftsmith_schema`` (first entry of conf/config.yaml's defaults),
+    the ``slug`` resolver used by the sweep folder names and ``draftsmith_config_help`` used by ``--help``."""
     ConfigStore.instance().store(name="draftsmith_schema", node=Config)
     if not OmegaConf.has_resolver("slug"):
         OmegaConf.register_new_resolver("slug", _slug)
+    if not OmegaConf.has_resolver("draftsmith_config_help"):
+        OmegaConf.register_new_resolver("draftsmith_config_help", _config_help)
 
 
 def _unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
