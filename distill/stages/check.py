@@ -112,21 +112,12 @@ def render_check_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
-    """Run the pre-flight check into ``run_dir``; returns the path of ``check.json``.
+def _load_pair(cfg: Config, run_dir: Path) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    """Load the target and the drafter; ``(target, tokenizer, target resolution, drafter, first result fields)``.
 
     Raises:
         TokenizerMismatchError: the tokenizers differ (after ``check.json`` records what differs).
-        ConfigError: a bad drafter config, or fewer prompts than ``check.num_prompts`` (within
-            ``data.max_prompt_tokens``).
     """
-    c = cfg.check
-    check_layers_exist(cfg)
-    # the prompts come first (the target's tokenizer is enough): too few is refused before any model loads
-    _, held_out = split_prompts(load_prompts(cfg.data.source, cfg.data.path), num_train=0,
-                                num_eval=c.num_prompts, seed=cfg.data.seed, keep=prompt_length_limit(cfg),
-                                counts="check.num_prompts")
-    run = StageRun.start("check", run_dir, config_yaml, inputs={})
     print(f"check: loading target {cfg.target.name} and drafter {cfg.drafter.name}", flush=True)
     target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
     drafter, drafter_tok, _ = initial_drafter(cfg, dtype=cfg.drafter.dtype)
@@ -143,7 +134,48 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         raise TokenizerMismatchError(
             f"target {cfg.target.name!r} and drafter {cfg.drafter.name!r} cannot be paired: {why} "
             f"(written to {run_dir / CHECK_JSON}); pick a drafter from the target's family")
+    return target, tokenizer, target_res, drafter, result
 
+
+def _timed_decoding(target, runner, prompts: list[list[int]], draft_length: int, max_new_tokens: int,
+                    eos: list[int], vocab_size: int) -> tuple[list[DecodeStats], list[DecodeStats], list[list[int]]]:
+    """Speculative decoding and the target alone on each prompt, after a warm-up of both.
+
+    Returns the per-prompt speculative stats, the target-alone stats and the target's answers (token ids).
+    """
+    warm_up = torch.tensor([prompts[0]], device=target.device)  # first calls pay one-time kernel setup
+    speculative_generate(target, runner, warm_up, draft_length=draft_length, max_new_tokens=draft_length + 2,
+                         eos_token_ids=eos)
+    target_generate(target, warm_up, max_new_tokens=4, eos_token_ids=eos)
+    spec, alone, answers = [], [], []
+    for ids in tqdm(prompts, desc="check", unit="prompt"):
+        input_ids = torch.tensor([ids], device=target.device)
+        spec.append(speculative_generate(target, runner, input_ids, draft_length=draft_length,
+                                         max_new_tokens=max_new_tokens, eos_token_ids=eos).stats)
+        out = target_generate(target, input_ids, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                              vocab_size=vocab_size)
+        alone.append(out.stats)
+        answers.append(out.new_tokens.tolist())
+    return spec, alone, answers
+
+
+def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
+    """Run the pre-flight check into ``run_dir``; returns the path of ``check.json``.
+
+    Raises:
+        TokenizerMismatchError: the tokenizers differ (after ``check.json`` records what differs).
+        ConfigError: a bad drafter config, or fewer prompts than ``check.num_prompts`` (within
+            ``data.max_prompt_tokens``).
+    """
+    c = cfg.check
+    check_layers_exist(cfg)
+    # the prompts come first (the target's tokenizer is enough): too few is refused before any model loads
+    _, held_out = split_prompts(load_prompts(cfg.data.source, cfg.data.path), num_train=0,
+                                num_eval=c.num_prompts, seed=cfg.data.seed, keep=prompt_length_limit(cfg),
+                                counts="check.num_prompts")
+    run = StageRun.start("check", run_dir, config_yaml, inputs={})
+    target, tokenizer, target_res, drafter, result = _load_pair(cfg, run_dir)
+    rows = result["vocab_rows"]
     prompts = [encode_prompt(tokenizer, p) for p in held_out]
     quantization = resolve_quantization(cfg.decode.drafter_quantization, target.device)
     runner = drafter_for_decoding(drafter, quantization)
@@ -154,19 +186,8 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     print(f"check: top-1 agreement, then speculative decoding vs the target alone on {len(prompts)} prompts x "
           f"{c.max_new_tokens} tokens", flush=True)
     accuracy = top1_agreement(target, drafter, prompts, c.draft_length)
-    warm_up = torch.tensor([prompts[0]], device=target.device)  # first calls pay one-time kernel setup
-    speculative_generate(target, runner, warm_up, draft_length=c.draft_length, max_new_tokens=c.draft_length + 2,
-                         eos_token_ids=eos)
-    target_generate(target, warm_up, max_new_tokens=4, eos_token_ids=eos)
-    spec, alone, answers = [], [], []
-    for ids in tqdm(prompts, desc="check", unit="prompt"):
-        input_ids = torch.tensor([ids], device=target.device)
-        spec.append(speculative_generate(target, runner, input_ids, draft_length=c.draft_length,
-                                         max_new_tokens=c.max_new_tokens, eos_token_ids=eos).stats)
-        out = target_generate(target, input_ids, max_new_tokens=c.max_new_tokens, eos_token_ids=eos,
-                              vocab_size=min(rows))
-        alone.append(out.stats)
-        answers.append(out.new_tokens.tolist())
+    spec, alone, answers = _timed_decoding(target, runner, prompts, c.draft_length, c.max_new_tokens, eos,
+                                           min(rows))
     pooled, target_stats = DecodeStats.merge(spec), DecodeStats.merge(alone)
     cost_ratio = measure_cost_ratio(target, runner, prompts[:2])
     verify_costs = measure_verify_costs(target, prompts[:1], c.max_draft_length + 1)

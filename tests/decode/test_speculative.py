@@ -3,7 +3,8 @@
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
+from transformers import Qwen2ForCausalLM
 
 from decode.benchmark import benchmark, measure_cost_ratio
 from decode.speculative import speculative_generate, target_generate
@@ -13,13 +14,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [42], [7, 100, 250, 3, 3, 3, 9, 12, 61, 200, 5]]
 
 
 def tiny_model(num_layers: int, seed: int, vocab_size: int = VOCAB, head_scale: float = 1.0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)
-    return model
+    return tiny_qwen2(num_layers, seed, vocab_size=vocab_size, head_scale=head_scale)
 
 
 def padded(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:

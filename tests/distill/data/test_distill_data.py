@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 from loop_settings import loop_settings
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
+from transformers import Qwen2ForCausalLM
 
 from distill.config import DistillConfig
 from distill.drafters.build import build_drafter
@@ -30,12 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_qwen2(num_layers: int, seed: int, init_range: float) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         initializer_range=init_range, tie_word_embeddings=False, pad_token_id=0,
-                         eos_token_id=VOCAB - 1)
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_qwen2(num_layers, seed, vocab_size=VOCAB, max_position_embeddings=128,
+                      initializer_range=init_range, tie_word_embeddings=False, pad_token_id=0, eos_token_id=VOCAB - 1)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
+from transformers import DynamicCache, Qwen2ForCausalLM
 
 from distill.drafters.build import (
     LoraSettings,
@@ -20,11 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_qwen2(num_layers: int, seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None, pad_token_id=0)
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_qwen2(num_layers, seed, vocab_size=VOCAB, max_position_embeddings=128,
+                      initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")

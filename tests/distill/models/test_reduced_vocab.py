@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from loop_settings import loop_settings
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
+from transformers import AutoModelForCausalLM
 
 from decode.quantization import PerTokenDynamicLinear, quantize_drafter
 from decode.sampling import process_logits
@@ -45,14 +46,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _qwen2(num_layers: int, seed: int, vocab: int = 259, tied: bool = False, head_scale: float = 1.0):
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=tied, pad_token_id=0, eos_token_id=None)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)
-    return model
+    return tiny_qwen2(num_layers, seed, vocab_size=vocab, head_scale=head_scale, initializer_range=0.2,
+                      tie_word_embeddings=tied, pad_token_id=0, eos_token_id=None)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 from loop_settings import loop_settings
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
+from transformers import Qwen2ForCausalLM
 
 from distill.drafters.build import LoraSettings, build_drafter
 from distill.errors import DraftsmithError
@@ -19,11 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_qwen2(num_layers: int, seed: int, init_range: float) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         initializer_range=init_range, tie_word_embeddings=False, pad_token_id=0)
-    return Qwen2ForCausalLM(config)
+    return tiny_qwen2(num_layers, seed, vocab_size=VOCAB, max_position_embeddings=128,
+                      initializer_range=init_range, tie_word_embeddings=False, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
