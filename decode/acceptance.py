@@ -278,6 +278,47 @@ def paired_tau_difference(totals_a: Sequence[BlockTotals], totals_b: Sequence[Bl
             "ci95": bootstrap_ci(difference, len(totals_a), seed=seed)}
 
 
+@dataclass(frozen=True)
+class DrafterCosts:
+    """The cost model's inputs for one drafter at one K, in one-token target forwards.
+
+    Attributes:
+        cost_ratio: c, the drafter's one-token forward time over the target's.
+        verify_cost: the target's forward over K + 1 tokens (``decode.metrics.verify_cost_at``).
+    """
+
+    cost_ratio: float
+    verify_cost: float
+
+
+def _predicted_speedup(totals: Sequence[BlockTotals], costs: DrafterCosts, rows: Sequence[int]) -> float:
+    """tokens / (drafted x c + blocks x verify cost), pooled over ``rows``: the per-prompt form of
+    :func:`decode.metrics.predicted_speedup` (tau / (mean K c + verify cost) with tau = tokens / blocks)."""
+    tokens = sum(totals[i].tokens for i in rows)
+    cost = sum(totals[i].drafted * costs.cost_ratio + totals[i].blocks * costs.verify_cost for i in rows)
+    return tokens / cost if cost else 0.0
+
+
+def paired_speedup_ratio(totals_a: Sequence[BlockTotals], costs_a: DrafterCosts, totals_b: Sequence[BlockTotals],
+                         costs_b: DrafterCosts, *, seed: int = 0) -> dict:
+    """Predicted speedup of drafter a over drafter b on the same prompts, each at its own K and costs:
+    ``{"ratio": S_a / S_b, "ci95": [lo, hi]}`` (paired bootstrap over prompts; the measured costs are held
+    fixed, so the interval covers which prompts were drawn, not the timing noise of c). A ratio of 1.10 is
+    a 10% faster decoder; an interval above 1 separates the two.
+
+    Raises:
+        ValueError: the two lists cover different numbers of prompts, or none.
+    """
+    if len(totals_a) != len(totals_b) or not totals_a:
+        raise ValueError(f"paired ratio over different or no prompts ({len(totals_a)} vs {len(totals_b)})")
+
+    def ratio(rows):
+        base = _predicted_speedup(totals_b, costs_b, rows)
+        return _predicted_speedup(totals_a, costs_a, rows) / base if base else 0.0
+
+    return {"ratio": ratio(range(len(totals_a))), "ci95": bootstrap_ci(ratio, len(totals_a), seed=seed)}
+
+
 # --- one drafter's simulated section of a report ----------------------------------------------------
 
 
@@ -331,6 +372,13 @@ def _totals(results: Sequence[DecodeStats | BlockTotals]) -> list[BlockTotals]:
     return [r if isinstance(r, BlockTotals) else BlockTotals.of(r) for r in results]
 
 
+def block_totals(samples: Sequence[TeacherForced], settings: SimulationSettings, *, draft_length: int,
+                 lookup_ngram: int | None = None) -> list[BlockTotals]:
+    """Per prompt, the simulated totals at a constant K = ``draft_length`` (what ``per_k`` pools)."""
+    at_k = dataclasses.replace(settings, schedule="constant", max_draft_length=None)  # a cap is the heuristic's
+    return _totals(simulate(samples, at_k, lookup_ngram=lookup_ngram, draft_length=draft_length))
+
+
 def simulated_section(samples: Sequence[TeacherForced], settings: SimulationSettings, *,
                       cost_ratio: float | None = None, verify_costs: Sequence[float] | None = None,
                       lookup_ngram: int | None = None, max_k: int = MAX_SIMULATED_K,
@@ -339,10 +387,11 @@ def simulated_section(samples: Sequence[TeacherForced], settings: SimulationSett
 
     The entry: ``num_prompts``, ``num_tokens``, ``draft_length``, ``schedule``, ``acceptance_rate``,
     ``mean_accepted_tokens`` (tau), ``mean_draft_length``, ``ci95`` (bootstrap over prompts),
-    ``per_position_acceptance`` (greedy), ``per_k`` ({"1".."16": acceptance_rate, mean_accepted_tokens,
+    ``per_position_acceptance`` and ``top1_agreement`` (greedy: the share of answer positions where the
+    drafter's argmax is the target's token, model drafters only), ``per_k`` ({"1".."16": acceptance_rate, mean_accepted_tokens,
     predicted_speedup}), ``heuristic`` (greedy: transformers' schedule started at K), ``per_category``
     ({category: the pooled figures with intervals}), and ``recommended_draft_length`` (the K of the highest
-    predicted speedup). ``predicted_speedup`` = :func:`decode.metrics.predicted_speedup` with the measured
+    predicted speedup, whose interval is ``ci95["predicted_speedup_at_best_k"]``, the costs held fixed). ``predicted_speedup`` = :func:`decode.metrics.predicted_speedup` with the measured
     ``cost_ratio`` c and ``verify_costs`` (None without them). For speculative sampling (``settings.sampling``)
     every figure is an expectation along target-sampled answers.
 
@@ -364,17 +413,25 @@ def simulated_section(samples: Sequence[TeacherForced], settings: SimulationSett
                            "predicted speedups lean optimistic; tau is exact")
     if not settings.sampling:
         section["per_position_acceptance"] = DecodeStats.merge(list(results)).per_position_acceptance
-    per_k = {}
+        if lookup_ngram is None:  # the ceiling of greedy acceptance: the share of positions the drafter gets right
+            matched = sum(sum(s.matches) for s in samples)
+            section["top1_agreement"] = matched / max(1, sum(len(s.answer) for s in samples))
+    per_k, totals_at = {}, {}
     for k in range(1, max_k + 1):
-        at_k = dataclasses.replace(settings, schedule="constant", max_draft_length=None)  # a cap is the heuristic's
-        pooled = figures(_totals(simulate(samples, at_k, lookup_ngram=lookup_ngram, draft_length=k)), intervals=False)
+        totals_at[k] = block_totals(samples, settings, draft_length=k, lookup_ngram=lookup_ngram)
+        pooled = figures(totals_at[k], intervals=False)
         speedup = (predicted_speedup(pooled["mean_accepted_tokens"], pooled["mean_draft_length"], cost_ratio,
                                      verify_cost_at(verify_costs, k)) if cost_ratio is not None else None)
         per_k[str(k)] = {"acceptance_rate": pooled["acceptance_rate"],
                          "mean_accepted_tokens": pooled["mean_accepted_tokens"], "predicted_speedup": speedup}
     section["per_k"] = per_k
     if cost_ratio is not None:
-        section["recommended_draft_length"] = int(max(per_k, key=lambda k: (per_k[k]["predicted_speedup"], -int(k))))
+        best = int(max(per_k, key=lambda k: (per_k[k]["predicted_speedup"], -int(k))))
+        section["recommended_draft_length"] = best
+        costs = DrafterCosts(cost_ratio, verify_cost_at(verify_costs, best))
+        # the costs held fixed: the interval covers which prompts were drawn, not the timing noise of c
+        section["ci95"]["predicted_speedup_at_best_k"] = bootstrap_ci(
+            lambda rows: _predicted_speedup(totals_at[best], costs, rows), len(totals_at[best]), seed=seed)
     if not settings.sampling:
         heuristic = figures(_totals(simulate(samples, settings, lookup_ngram=lookup_ngram, schedule="heuristic")),
                             intervals=False)

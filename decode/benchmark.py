@@ -21,6 +21,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -79,6 +80,58 @@ def measure_forward_seconds(target, drafter, prompts_ids: Sequence[Sequence[int]
         target_s += forward_seconds(target, input_ids, repeats)
         draft_s += forward_seconds(drafter, input_ids, repeats)
     return target_s / len(prompts_ids), draft_s / len(prompts_ids)
+
+
+@torch.inference_mode()
+def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[Sequence[int]], *, rounds: int = 5,
+                        repeats: int = 3) -> dict[str, Any]:
+    """c of every drafter in ``drafters`` ({name: model as the decoder runs it}), timed side by side.
+
+    Each model prefills each prompt once; then ``rounds`` rounds time ``repeats`` cached 1-token forwards of the
+    target and of every drafter in turn (the cache cropped back after each), so a slow spell of the machine
+    falls on all of them alike. A model's time is the median over its rounds x repeats forwards, averaged over
+    the prompts; ``c = drafter time / target time`` (Leviathan et al. 2023, Sec. 3).
+
+    Returns:
+        ``{"cost_ratios": {name: c}, "target_forward_ms": ms, "drafter_forward_ms": {name: ms},
+        "cost_ratio_range": {name: [lowest, highest] c over the rounds}, "rounds": rounds, "prompts": n}``.
+
+    Raises:
+        ValueError: no prompts, no drafters or ``rounds`` / ``repeats`` below 1.
+    """
+    if not prompts_ids or not drafters or rounds < 1 or repeats < 1:
+        raise ValueError("measure_cost_ratios needs prompts, drafters and rounds, repeats >= 1")
+    models = {"\0target": target, **drafters}
+    times: dict[str, list[list[float]]] = {name: [[] for _ in prompts_ids] for name in models}  # [prompt][forward]
+    per_round: dict[str, list[float]] = {name: [0.0] * rounds for name in models}
+    for p, ids in enumerate(prompts_ids):
+        input_ids = torch.tensor([list(ids)], device=target.device)
+        caches = {name: prefill(model, input_ids) for name, model in models.items()}
+        last, base = input_ids[:, -1:], input_ids.shape[1] - 1
+        for name, model in models.items():  # warm-up, not counted
+            forward(model, last, caches[name], last_only=True)
+            crop(caches[name], base)
+        for r in range(rounds):
+            for name, model in models.items():
+                spent = []
+                for _ in range(repeats):
+                    sync(model.device)
+                    start = time.perf_counter()
+                    forward(model, last, caches[name], last_only=True)
+                    sync(model.device)
+                    spent.append(time.perf_counter() - start)
+                    crop(caches[name], base)
+                times[name][p] += spent
+                per_round[name][r] += statistics.median(spent) / len(prompts_ids)
+        del caches
+    seconds = {name: sum(statistics.median(t) for t in rows) / len(rows) for name, rows in times.items()}
+    target_s = seconds.pop("\0target")
+    target_rounds = per_round.pop("\0target")
+    spread = {name: [d / t for d, t in zip(rows, target_rounds)] for name, rows in per_round.items()}
+    return {"cost_ratios": {name: s / target_s for name, s in seconds.items()},
+            "target_forward_ms": 1000 * target_s, "drafter_forward_ms": {n: 1000 * s for n, s in seconds.items()},
+            "cost_ratio_range": {name: [min(c), max(c)] for name, c in spread.items()},
+            "rounds": rounds, "prompts": len(prompts_ids)}
 
 
 def measure_cost_ratio(target, drafter, prompts_ids: Sequence[Sequence[int]], repeats: int = 5) -> float:

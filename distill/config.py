@@ -303,6 +303,14 @@ class EvaluateConfig:
         "help": "other drafters measured untrained in the same run, on the same prompts (shipped names or model "
                 'folders), e.g. "[qwen2.5-coder-0.5b-instruct]" to check a depth-pruned drafter against the whole '
                 "sibling"})
+    compare_vocab_sizes: list[int] = field(default_factory=list, metadata={
+        "help": "also measure the stock drafter (drafter.name as shipped) with its LM head cut to the N most frequent "
+                "tokens of the training answers, untrained, for each N listed (e.g. [32000,64000]): what a reduced "
+                "vocabulary costs in acceptance and saves in c before any distillation"})
+    stock_drafter: bool = field(default=True, metadata={
+        "help": "when the drafter is depth-pruned or has a reduced vocabulary, also measure drafter.name as shipped "
+                "(whole, full vocabulary: what a user has without draftsmith); every drafter's against_stock figures "
+                "(paired tau difference and predicted-speedup ratio) are taken against it"})
     target_engine: str = field(default="hf", metadata={
         "help": "target-alone baseline: hf = transformers generate, loop = our KV-cached loop"})
     seed: int = field(default=0, metadata={
@@ -314,6 +322,9 @@ class EvaluateConfig:
         _check(all(isinstance(n, str) and n.strip() for n in self.compare_drafters), "evaluate.compare_drafters",
                f"must be a list of model names or folders, e.g. [qwen2.5-coder-0.5b-instruct]; got {self.compare_drafters}")
         self.compare_drafters = list(self.compare_drafters)
+        _check(all(isinstance(n, int) and n >= 1 for n in self.compare_vocab_sizes), "evaluate.compare_vocab_sizes",
+               f"must be a list of vocabulary sizes >= 1, e.g. [32000,64000]; got {self.compare_vocab_sizes}")
+        self.compare_vocab_sizes = sorted(set(self.compare_vocab_sizes))
         _check(len(set(self.compare_drafters)) == len(self.compare_drafters), "evaluate.compare_drafters",
                f"names a drafter twice: {self.compare_drafters}")
         _check(self.prompts is None or bool(str(self.prompts).strip()), "evaluate.prompts",

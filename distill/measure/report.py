@@ -93,6 +93,26 @@ def simulated_drafters(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def _best_k_speedup(sim: dict[str, Any]) -> str:
+    """The predicted speedup at the recommended K with its interval (costs held fixed), e.g. ``2.41x [2.33, 2.50]``."""
+    speedup = ((sim.get("per_k") or {}).get(str(sim.get("recommended_draft_length"))) or {}).get("predicted_speedup")
+    interval = (sim.get("ci95") or {}).get("predicted_speedup_at_best_k")
+    text = _fmt(speedup, "{:.2f}x")
+    return f"{text} [{interval[0]:.2f}, {interval[1]:.2f}]" if interval and speedup is not None else text
+
+
+def _costs_text(report: dict[str, Any]) -> str:
+    """How the c of the predicted speedups was measured, with its spread over the rounds."""
+    costs = report.get("side_by_side_costs")
+    if not costs:
+        return "measured in this run's timed decoding"
+    spread = ", ".join(f"{short_name(n) if n not in ('distilled', 'undistilled') else n} "
+                       f"{c:.3f} [{costs['cost_ratio_range'][n][0]:.3f}-{costs['cost_ratio_range'][n][1]:.3f}]"
+                       for n, c in costs["cost_ratios"].items())
+    return (f"timed side by side ({costs['rounds']} interleaved rounds on {costs['prompts']} prompts, the target's "
+            f"one-token forward {costs['target_forward_ms']:.0f} ms; c and its range over rounds: {spread})")
+
+
 def _simulated_lines(report: dict[str, Any]) -> list[str]:
     """The exact (simulated) acceptance table over every held-out prompt, the paired difference and the check."""
     rows = simulated_drafters(report)
@@ -102,8 +122,8 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
     lines = ["## Acceptance on every held-out prompt (simulated exactly from teacher-forced passes)", "",
              f"{first.get('num_prompts')} prompts, {first.get('num_tokens')} target tokens, {first.get('kind')}, "
              f"K = {first.get('draft_length')} ({first.get('schedule')}); 95% intervals are bootstraps over prompts. Predicted speedup = "
-             "tau / (K c + verify cost), with each drafter's c and one verification cost of the target measured "
-             "in this run's timed decoding (so they carry its timing noise; tau does not).", "",
+             f"tau / (K c + verify cost), with one verification cost of the target and each drafter's c "
+             f"{_costs_text(report)} (the costs carry timing noise, tau does not; the intervals hold them fixed).", "",
              "| drafter | acceptance | tau | predicted speedup at K | best K | predicted speedup at best K | "
              "heuristic schedule tau |", "|---|---|---|---|---|---|---|"]
     for label, sim in rows.items():
@@ -111,7 +131,7 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
         per_k = sim.get("per_k") or {}
         lines.append(f"| {label} | {_ci(sim, 'acceptance_rate', '{:.3f}')} | {_ci(sim, 'mean_accepted_tokens', '{:.2f}')} | "
                      f"{_fmt((per_k.get(k) or {}).get('predicted_speedup'), '{:.2f}x')} | {_fmt(best, '{}')} | "
-                     f"{_fmt((per_k.get(str(best)) or {}).get('predicted_speedup'), '{:.2f}x')} | "
+                     f"{_best_k_speedup(sim)} | "
                      f"{_fmt((sim.get('heuristic') or {}).get('mean_accepted_tokens'), '{:.2f}')} |")
     paired = report.get("paired_difference")
     if paired:
@@ -120,6 +140,7 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
                    "the interval includes 0: no difference shown at this size")
         lines += ["", f"Paired difference, distilled minus undistilled tau on the same prompts: "
                   f"{paired['mean_accepted_tokens']:+.3f} [{lo:+.3f}, {hi:+.3f}] ({verdict})."]
+    lines += _against_stock_lines(report)
     check = report.get("simulation_check")
     if check:
         totals = (f"; accepted drafts {check['accepted_tokens'][0]} simulated vs {check['accepted_tokens'][1]} decoded "
@@ -136,6 +157,33 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
         lines += [f"| {c} | {f.get('num_prompts')} | {_ci(f, 'acceptance_rate', '{:.3f}')} | "
                   f"{_ci(f, 'mean_accepted_tokens', '{:.2f}')} |" for c, f in sorted(categories.items())]
     return lines + [""]
+
+
+def _against_stock_lines(report: dict[str, Any]) -> list[str]:
+    """Every drafter against the stock one (the base model as shipped) on the same prompts, paired."""
+    stock = report.get("drafter_stock")
+    sections = [("undistilled drafter", report.get("baseline_drafter") or {}), ("distilled drafter", report),
+                *((f"`{short_name(n)}`", o) for n, o in (report.get("compared_drafters") or {}).items())]
+    rows = [(label, section["against_stock"]) for label, section in sections if section.get("against_stock")]
+    if not stock or not rows:
+        return []
+    name = "the undistilled drafter" if stock == "undistilled" else f"`{short_name(stock)}`"
+    lines = ["", f"Against the stock drafter ({name}: the base model as shipped, whole, full vocabulary), paired on "
+             "the same prompts. The speedup ratio takes each drafter at its own best K with its measured c (held "
+             "fixed: the interval covers the prompts drawn, not timing noise); the timed ratio is the decoder's on "
+             "the timed prompts only.", "",
+             "| drafter | tau minus stock's, at the run's K | predicted speedup ratio at best K | best K (it / stock) | "
+             "c (it / stock) | timed speedup ratio |", "|---|---|---|---|---|---|"]
+    for label, against in rows:
+        tau, ratio = against.get("tau_difference") or {}, against.get("predicted_speedup_ratio") or {}
+        tau_text = (f"{tau['mean_accepted_tokens']:+.3f} [{tau['ci95'][0]:+.3f}, {tau['ci95'][1]:+.3f}]"
+                    if tau else "-")
+        ratio_text = f"{ratio['ratio']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]" if ratio else "-"
+        ks = " / ".join(str(k) for k in ratio.get("draft_lengths") or []) or "-"
+        cs = " / ".join(f"{c:.3f}" for c in ratio.get("cost_ratios") or []) or "-"
+        lines.append(f"| {label} | {tau_text} | {ratio_text} | {ks} | {cs} | "
+                     f"{_fmt(against.get('timed_speedup_ratio'), '{:.3f}')} |")
+    return lines
 
 
 def render_report_markdown(report: dict[str, Any]) -> str:
@@ -155,9 +203,68 @@ def _header(report: dict[str, Any]) -> list[str]:
         f"Engine: {report.get('engine')}; drafter run as "
         f"{(report.get('decode') or {}).get('drafter_quantization_used', 'stored')}.", "",
     ]
+    lines += _headline(report)
     lines += _training_data(report)
     lines += _simulated_lines(report)
     return lines
+
+
+def _host_kind(report: dict[str, Any]) -> str:
+    hw = report.get("hardware") or {}
+    if hw.get("gpu"):
+        return f"on {hw['gpu']}"
+    if "bf16_fast" not in hw:
+        return "on a host of unrecorded kind"
+    units = "with bf16 units" if hw["bf16_fast"] else "without bf16 units (float32)"
+    return f"on a {hw.get('cpu_count')}-core CPU {units}"
+
+
+def _headline(report: dict[str, Any]) -> list[str]:
+    """What a user reads first: the distilled drafter's predicted speedup, its ratio to the stock drafter's
+    (paired interval), and, when no drafter here gains 10% over the stock one, the headroom the pair left."""
+    sim = report.get("simulated") or {}
+    if not sim.get("recommended_draft_length"):
+        return []
+    against = (report.get("against_stock") or {}).get("predicted_speedup_ratio")
+    lines = ["## In short", "", f"On {sim.get('num_prompts')} held-out prompts {_host_kind(report)}, simulated "
+             f"exactly with the measured costs: the distilled drafter's predicted speedup over the target alone is "
+             f"{_best_k_speedup(sim)} at its best K = {sim['recommended_draft_length']} (timed on "
+             f"{report.get('num_prompts')} prompts at K = {report.get('draft_length')}: "
+             f"{_fmt(report.get('speedup'), '{:.2f}x')})."]
+    stock = _stock_section(report)
+    if against and stock:
+        lo, hi = against["ci95"]
+        verdict = ("faster, the interval excludes no gain" if lo > 1 else "slower" if hi < 1
+                   else "no difference shown at this size")
+        lines[-1] += (f" Against the stock drafter ({_best_k_speedup(stock['simulated'])} at K = "
+                      f"{stock['simulated'].get('recommended_draft_length')}): {against['ratio']:.3f}x its speed "
+                      f"[{lo:.3f}, {hi:.3f}], {verdict}.")
+        best_label, best = _best_against_stock(report)
+        if best is not None and best < 1.10:
+            agree = stock["simulated"].get("top1_agreement")
+            lines[-1] += (f" The pair leaves little headroom: the stock drafter already picks the target's greedy "
+                          f"token at {_fmt(agree, '{:.1%}')} of answer positions (tau "
+                          f"{_fmt(stock['simulated'].get('mean_accepted_tokens'), '{:.2f}')} at K = "
+                          f"{stock['simulated'].get('draft_length')}), and the best drafter measured here, {best_label}, "
+                          f"is {best:.3f}x the stock drafter's predicted speed (the goal is 1.10x).")
+    return lines + [""]
+
+
+def _stock_section(report: dict[str, Any]) -> dict[str, Any] | None:
+    stock = report.get("drafter_stock")
+    if stock == "undistilled":
+        return report.get("baseline_drafter")
+    return (report.get("compared_drafters") or {}).get(stock) if stock else None
+
+
+def _best_against_stock(report: dict[str, Any]) -> tuple[str, float | None]:
+    """The label and predicted-speedup ratio to the stock drafter of the fastest drafter in the report."""
+    sections = [("the distilled drafter", report), ("the undistilled drafter", report.get("baseline_drafter") or {}),
+                *((f"`{short_name(n)}`", o) for n, o in (report.get("compared_drafters") or {}).items())]
+    ratios = [(label, ((s.get("against_stock") or {}).get("predicted_speedup_ratio") or {}).get("ratio"))
+              for label, s in sections]
+    ratios = [(label, r) for label, r in ratios if r is not None]
+    return max(ratios, key=lambda item: item[1]) if ratios else ("", None)
 
 
 def _timed_table(report: dict[str, Any]) -> list[str]:

@@ -10,12 +10,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from decode.acceptance import SimulationSettings, TeacherForced, simulate, simulated_section
+from decode.acceptance import (
+    BlockTotals,
+    DrafterCosts,
+    SimulationSettings,
+    TeacherForced,
+    block_totals,
+    paired_speedup_ratio,
+    paired_tau_difference,
+    simulate,
+    simulated_section,
+)
+from decode.metrics import verify_cost_at
 from decode.prompt_lookup import DEFAULT_MAX_NGRAM
 from decode.stopping import StopStrings
 from decode.teacher_forcing import drafter_predictions, sampling_betas, target_answers
@@ -116,6 +128,45 @@ def simulated_drafter(samples: list[TeacherForced], settings: SimulationSettings
     """``simulated`` of one model drafter, predicted speedups from its timed run's c and verification costs."""
     return simulated_section(samples, settings, cost_ratio=timed.get("cost_ratio"),
                              verify_costs=timed.get("verify_costs"), seed=seed)
+
+
+@dataclass
+class Pairing:
+    """One model drafter's per-prompt simulated totals, kept to pair it with another drafter on the same prompts.
+
+    Attributes:
+        at_k: totals at the run's K (``decode.draft_length``), for the paired tau difference.
+        best_k: its recommended K (highest predicted speedup); None without measured costs.
+        at_best_k: totals at ``best_k``; ``best_costs``: c and the verification cost there.
+    """
+
+    at_k: list[BlockTotals]
+    best_k: int | None = None
+    at_best_k: list[BlockTotals] | None = None
+    best_costs: DrafterCosts | None = None
+
+
+def pairing_of(samples: list[TeacherForced], settings: SimulationSettings, section: dict[str, Any],
+               totals: list[BlockTotals], timed: dict[str, Any]) -> Pairing:
+    """The :class:`Pairing` of a drafter whose ``simulated`` section is ``section`` (``totals`` at the run's
+    K) and whose costs come from ``timed`` (``cost_ratio``, ``verify_costs``)."""
+    best, c = section.get("recommended_draft_length"), timed.get("cost_ratio")
+    if best is None or c is None:
+        return Pairing(totals)
+    at_best = totals if best == settings.draft_length and settings.schedule == "constant" else \
+        block_totals(samples, settings, draft_length=best)
+    return Pairing(totals, best, at_best, DrafterCosts(c, verify_cost_at(timed.get("verify_costs"), best)))
+
+
+def paired_against(a: Pairing, b: Pairing, seed: int) -> dict[str, Any]:
+    """Drafter a against drafter b on the same prompts: the tau difference at the run's K and, with costs, the
+    ratio of predicted speedups each at its own best K, both with paired 95% bootstrap intervals."""
+    result: dict[str, Any] = {"tau_difference": paired_tau_difference(a.at_k, b.at_k, seed=seed)}
+    if a.best_costs and b.best_costs:
+        result["predicted_speedup_ratio"] = {
+            **paired_speedup_ratio(a.at_best_k, a.best_costs, b.at_best_k, b.best_costs, seed=seed),
+            "draft_lengths": [a.best_k, b.best_k], "cost_ratios": [a.best_costs.cost_ratio, b.best_costs.cost_ratio]}
+    return result
 
 
 def simulated_choice(section: dict[str, Any], timed_choice: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -22,19 +22,23 @@ from typing import Any
 import torch
 
 from decode.acceptance import paired_tau_difference
-from decode.benchmark import benchmark, machine_busy, run_target_alone
+from decode.benchmark import benchmark, machine_busy, measure_cost_ratios, run_target_alone
 from decode.cpu_linear import use_onednn_linear
 from decode.quantization import drafter_for_decoding, resolve_quantization
 from distill.config import Config
 from distill.data.generated import load_generated
 from distill.data.prompts import Prompt, encode_prompt, load_prompts
 from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
-from distill.errors import DraftsmithError
+from distill.errors import ConfigError, DraftsmithError
 from distill.files import write_json_atomic
+from distill.hardware import hardware
 from distill.measure.report import REPORT_JSON, REPORT_MD, write_report_markdown, write_report_plots
 from distill.measure.simulation import (
     answer_all,
+    Pairing,
     answers_target_key,
+    paired_against,
+    pairing_of,
     prompt_lookup_section,
     settings_of,
     simulated_choice,
@@ -43,7 +47,7 @@ from distill.measure.simulation import (
     teacher_forced,
 )
 from distill.models.loading import eos_token_ids, load_model
-from distill.models.reduced_vocab import draft_vocabulary_of, load_drafter, reduce_vocabulary
+from distill.models.reduced_vocab import draft_vocabulary, draft_vocabulary_of, load_drafter, reduce_vocabulary
 from distill.runs import StageRun, read_manifest, require_complete, resolve_input
 from distill.tracking import make_logger, run_name
 
@@ -125,50 +129,100 @@ def _as_distilled(cfg: Config, info: dict[str, Any]) -> Config:
 
 
 def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settings: dict, vocab: int, runner,
-                     hf_assisted: bool = False, check: bool = False,
-                     verify_costs: list[float] | None = None) -> tuple[dict[str, Any], list]:
-    """One drafter as the decoder runs it: timed on ``timed`` (``decode.benchmark``), then its exact acceptance
-    on every prompt's answer under ``simulated`` (and ``simulation_check`` with ``check``); returns the figures
-    and the per-prompt block totals (for paired differences). ``verify_costs`` (the target's, from the first
-    drafter's run) makes every drafter's predicted speedups share one verification cost: only c differs."""
+                     key: str, *, costs: dict[str, Any], hf_assisted: bool = False, check: bool = False,
+                     verify_costs: list[float] | None = None) -> tuple[dict[str, Any], Pairing]:
+    """One drafter as the decoder runs it (``runner``, named ``key`` in ``costs``): timed on ``timed``
+    (``decode.benchmark``), then its exact acceptance on every prompt's answer under ``simulated`` (and
+    ``simulation_check`` with ``check``); returns the figures and its per-prompt block totals (:class:`Pairing`,
+    for paired differences). The predicted speedups take c from ``costs`` (every drafter timed side by side,
+    :func:`decode.benchmark.measure_cost_ratios`) and ``verify_costs`` (the target's, from the first drafter's
+    run), so that between drafters only c differs, measured alike."""
     figures = benchmark(target, runner, timed, hf_assisted=hf_assisted, target_outputs=alone, **settings)
     simulation = settings_of(cfg.decode, figures)
     samples = teacher_forced(target, runner, prompts, answers, cfg.decode, vocab)
-    costs = {**figures, "verify_costs": verify_costs or figures.get("verify_costs")}
-    figures["simulated"], totals = simulated_drafter(samples, simulation, costs, cfg.evaluate.seed)
+    model_costs = {"cost_ratio": costs["cost_ratios"][key], "verify_costs": verify_costs or figures.get("verify_costs")}
+    figures["simulated"], totals = simulated_drafter(samples, simulation, model_costs, cfg.evaluate.seed)
+    figures["simulated"]["cost_ratio"] = model_costs["cost_ratio"]  # side by side; the timed run's is cost_ratio
     figures["draft_length_choice"] = simulated_choice(figures["simulated"], figures.get("draft_length_choice"))
     if check:
         figures["simulation_check"] = simulation_check(runner, figures, timed, simulation, vocab)
-    return figures, totals
+    return figures, pairing_of(samples, simulation, figures["simulated"], totals, model_costs)
 
 
-def _measure_the_others(cfg: Config, report: dict[str, Any], tuned_totals: list, measure, base, others: dict,
-                        draft_vocab, quantization: str, prompts, answers) -> None:
-    """The undistilled drafter (with the paired difference), ``evaluate.compare_drafters`` and prompt lookup,
-    measured like the distilled one into ``report``; ``others`` is emptied as each is done (memory)."""
-    dec = cfg.decode
+def _decoding_drafters(tuned, base, others: dict[str, Any], quantization: str) -> dict[str, Any]:
+    """Every drafter as the decoder runs it (``decode.quantization.drafter_for_decoding``), keyed ``distilled``,
+    ``undistilled`` (when ``base`` is given) and by name for ``others`` (emptied: their models are not needed
+    again)."""
+    runners = {"distilled": drafter_for_decoding(tuned, quantization)}
     if base is not None:
+        runners["undistilled"] = drafter_for_decoding(base, quantization)
+    for name in list(others):
+        runners[name] = drafter_for_decoding(others.pop(name), quantization)
+    return runners
+
+
+def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, measure, runners: dict[str, Any],
+                        draft_vocab, prompts, answers) -> None:
+    """The undistilled drafter (with the paired difference), ``evaluate.compare_drafters`` (the stock drafter
+    among them when :func:`_reference_drafters` added it) and prompt lookup, measured like the distilled one
+    into ``report``; ``runners`` is emptied as each is done (memory). Every model drafter then gets
+    ``against_stock`` (:func:`_against_stock`)."""
+    dec = cfg.decode
+    pairings = {"distilled": tuned}
+    verify = report.get("verify_costs")
+    if "undistilled" in runners:
         print("evaluate: undistilled drafter on the same prompts")
-        report["baseline_drafter"], base_totals = measure(drafter_for_decoding(base, quantization),
-                                                          verify_costs=report.get("verify_costs"))
+        report["baseline_drafter"], pairings["undistilled"] = measure(runners.pop("undistilled"), "undistilled",
+                                                                      verify_costs=verify)
         report["paired_difference"] = {
-            **paired_tau_difference(tuned_totals, base_totals, seed=cfg.evaluate.seed),
+            **paired_tau_difference(tuned.at_k, pairings["undistilled"].at_k, seed=cfg.evaluate.seed),
             "of": "distilled minus undistilled, simulated tau on the same prompts",
             # each at the K it ran with (they differ only under decode.schedule=auto)
             "draft_lengths": [report["simulated"]["draft_length"], report["baseline_drafter"]["simulated"]["draft_length"]]}
         if draft_vocab is not None:
             report["baseline_drafter"]["draft_vocab_size"] = int(draft_vocab.numel())
-    if others:
+    if runners:
         report["compared_drafters"] = {}
-    for name in list(others):
+    for name in list(runners):
         print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts")
-        report["compared_drafters"][name], _ = measure(drafter_for_decoding(others.pop(name), quantization),
-                                                       verify_costs=report.get("verify_costs"))
+        report["compared_drafters"][name], pairings[name] = measure(runners.pop(name), name, verify_costs=verify)
+    _against_stock(cfg, report, pairings)
     if cfg.evaluate.prompt_lookup:
-        lookup = prompt_lookup_section(prompts, answers, settings_of(dec, report), report.get("verify_costs"),
-                                       cfg.evaluate.seed)
+        lookup = prompt_lookup_section(prompts, answers, settings_of(dec, report), verify, cfg.evaluate.seed)
         if lookup:
             report["baselines"]["prompt_lookup"] = lookup
+
+
+def _against_stock(cfg: Config, report: dict[str, Any], pairings: dict[str, Pairing]) -> None:
+    """``against_stock`` in every drafter's section: it against the stock drafter (the base model as shipped,
+    whole and with its full vocabulary: what a user decodes with without draftsmith) on the same prompts, the
+    tau difference and the predicted-speedup ratio at each one's best K (paired intervals), and the timed
+    subset's speedup ratio. The stock drafter is the undistilled one for a whole sibling drafter, else the
+    ``compare_drafters`` entry named ``drafter.base_name``; nothing is added when neither was measured."""
+    sections = {"distilled": report, "undistilled": report.get("baseline_drafter"),
+                **(report.get("compared_drafters") or {})}
+    stock = report["drafter_stock"] = _stock_key(report, pairings)
+    if stock is None:
+        return
+    for key, pairing in pairings.items():
+        if key == stock:
+            continue
+        section = sections[key]
+        section["against_stock"] = {**paired_against(pairing, pairings[stock], cfg.evaluate.seed),
+                                    "timed_speedup_ratio": _ratio(section.get("speedup"), sections[stock].get("speedup"))}
+
+
+def _stock_key(report: dict[str, Any], pairings: dict[str, Pairing]) -> str | None:
+    """Which measured drafter of ``pairings`` is the stock one (see :func:`_against_stock`), or None."""
+    info = report.get("drafter") or {}
+    whole = info.get("init", "sibling") == "sibling" and not info.get("draft_vocab_size")
+    if whole and "undistilled" in pairings:
+        return "undistilled"
+    return info.get("base_name") if info.get("base_name") in pairings else None
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
 def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
@@ -211,7 +265,10 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                     confidence_threshold=dec.confidence_threshold, target_engine=cfg.evaluate.target_engine,
                     **decode_args)
 
-    base, draft_vocab, others = _reference_drafters(cfg, info, tuned, tokenizer)
+    tuned_vocab = draft_vocabulary_of(tuned)
+    tuned_vocab_size = None if tuned_vocab is None else int(tuned_vocab.numel())
+    train_completions = _training_completions(cfg, trained_on)
+    base, draft_vocab, others = _reference_drafters(cfg, info, tuned, tokenizer, train_completions)
     vocab = min(m.get_output_embeddings().out_features
                 for m in (target, tuned, base, *others.values()) if m is not None)
     busy = machine_busy("evaluate")
@@ -227,20 +284,27 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                          tokenizer=tokenizer)
     print(f"evaluate: target alone on {len(timed)} of them, timed (evaluate.timed_prompts)")
     alone = run_target_alone(target, timed, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
-    measure = functools.partial(_measure_drafter, cfg, target, timed, prompts, answers, alone, settings, vocab)
-    print("evaluate: distilled drafter")
-    report, tuned_totals = measure(drafter_for_decoding(tuned, quantization), hf_assisted=cfg.evaluate.hf_assisted,
-                                   check=True)
-    _measure_the_others(cfg, report, tuned_totals, measure, base, others, draft_vocab, quantization, prompts, answers)
+    runners = _decoding_drafters(tuned, base, others, quantization)
     del base
+    print(f"evaluate: c of the {len(runners)} drafters, timed side by side (5 rounds on {min(3, len(timed))} prompts)")
+    costs = measure_cost_ratios(target, runners, [ids for _, _, ids in timed[:3]])
+    measure = functools.partial(_measure_drafter, cfg, target, timed, prompts, answers, alone, settings, vocab,
+                                costs=costs)
+    print("evaluate: distilled drafter")
+    report, tuned_pairing = measure(runners.pop("distilled"), "distilled", hf_assisted=cfg.evaluate.hf_assisted,
+                                    check=True)
+    report["drafter"] = {**info, "draft_vocab_size": tuned_vocab_size}
+    report["side_by_side_costs"] = costs
+    _measure_the_others(cfg, report, tuned_pairing, measure, runners, draft_vocab, prompts, answers)
 
     report.update({
         "target": {"name": cfg.target.name, "fingerprint": target_res.fingerprint, "dtype": cfg.target.dtype},
-        "drafter": {**info, "dtype": cfg.drafter.dtype, "path": str(distill_dir / DRAFTER_DIR),
+        "drafter": {**report["drafter"], "dtype": cfg.drafter.dtype, "path": str(distill_dir / DRAFTER_DIR),
                     "parameters": tuned_parameters},
         "decode": {**asdict(dec), "drafter_quantization_used": quantization},
         "engine": f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
         if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA",
+        "hardware": hardware(),  # the host kind every speed figure depends on
         "prompt_ids": [p[0] for p in prompts],
         "eval_prompts": eval_set,  # held-out (the generate run's) or evaluate.prompts, with its training overlap
         "distill_inputs": distill_manifest.get("inputs", {}),  # the generate runs it was trained on
@@ -258,6 +322,15 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     return report_path
 
 
+def _training_completions(cfg: Config, trained_on: Path) -> list[list[int]]:
+    """The target's training answers of the generate run the drafter was distilled on (token ids), which
+    ``evaluate.compare_vocab_sizes`` picks its heads from; empty when none are asked for."""
+    if not cfg.evaluate.compare_vocab_sizes:
+        return []
+    dataset = load_generated(trained_on)[0]
+    return list(dataset.select_columns(["completion_ids"])["completion_ids"])
+
+
 def _evaluation_set(cfg: Config, prompts: list, distill_dir: Path, gen_dir: Path, trained_on: Path) -> dict[str, Any]:
     """Where the prompts come from, and how many of them were in this drafter's training data (warned)."""
     eval_set = {"source": str(cfg.evaluate.prompts) if cfg.evaluate.prompts else "held-out",
@@ -271,9 +344,11 @@ def _evaluation_set(cfg: Config, prompts: list, distill_dir: Path, gen_dir: Path
     return eval_set
 
 
-def _reference_drafters(cfg: Config, info: dict[str, Any], tuned, tokenizer) -> tuple[Any, Any, dict[str, Any]]:
+def _reference_drafters(cfg: Config, info: dict[str, Any], tuned, tokenizer,
+                        train_completions) -> tuple[Any, Any, dict[str, Any]]:
     """The undistilled drafter (``evaluate.baseline``; the same reduced head as the tuned one, if any) and
-    ``evaluate.compare_drafters``: ``(base or None, draft vocabulary or None, {name: model})``. Loaded before
+    ``evaluate.compare_drafters`` with, under ``evaluate.stock_drafter``, the stock base model when the tuned
+    drafter is cut from it or has a reduced head: ``(base or None, draft vocabulary or None, {name: model})``. Loaded before
     the long runs, so that a bad drafter config fails first.
 
     Raises:
@@ -289,12 +364,45 @@ def _reference_drafters(cfg: Config, info: dict[str, Any], tuned, tokenizer) -> 
             # the same reduced head (rows of the untrained head): before vs after differs by training alone
             reduce_vocabulary(base, draft_vocab.clone())
         base.eval()
+    names = list(cfg.evaluate.compare_drafters)
+    stock = info.get("base_name") or cfg.drafter.name
+    cut = info.get("init", "sibling") != "sibling" or draft_vocabulary_of(tuned) is not None
+    if cfg.evaluate.stock_drafter and cut and stock not in names:
+        names.append(stock)  # the reference of every against_stock figure
     others = {}
-    for name in cfg.evaluate.compare_drafters:  # loaded up front too, for the same reason
+    for name in names:  # loaded up front too, for the same reason
         other, other_tok, _ = load_model(name, dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, other_tok, cfg.target.name, name)
         others[name] = other
+    others.update(_reduced_stock_drafters(cfg, stock, tokenizer, train_completions))
     return base, draft_vocab, others
+
+
+def reduced_head_name(stock: str, size: int) -> str:
+    """The report's key of the stock drafter with an untrained ``size``-token head."""
+    return f"{stock} ({size // 1000}k head)" if size % 1000 == 0 else f"{stock} ({size}-token head)"
+
+
+def _reduced_stock_drafters(cfg: Config, stock: str, tokenizer, train_completions) -> dict[str, Any]:
+    """``evaluate.compare_vocab_sizes``: the stock drafter with its head cut to each size's most frequent tokens
+    of ``train_completions`` (EOS and pad always kept, as distill keeps them), untrained.
+
+    Raises:
+        ConfigError: a size larger than the vocabulary.
+    """
+    reduced = {}
+    for size in cfg.evaluate.compare_vocab_sizes:
+        model, model_tok, _ = load_model(stock, dtype=cfg.drafter.dtype)
+        check_tokenizers(tokenizer, model_tok, cfg.target.name, stock)
+        vocab = model.get_output_embeddings().out_features
+        pad = getattr(model.config, "pad_token_id", None)
+        always = [i for i in eos_token_ids(model, tokenizer) + ([pad] if isinstance(pad, int) else []) if i < vocab]
+        try:
+            reduce_vocabulary(model, draft_vocabulary(train_completions, vocab, size, always=always))
+        except ValueError as err:
+            raise ConfigError(f"evaluate.compare_vocab_sizes: {err}") from err
+        reduced[reduced_head_name(stock, size)] = model.eval()
+    return reduced
 
 
 def _add_notes(cfg: Config, report: dict[str, Any], quantization: str, busy: float | None,

@@ -5,7 +5,8 @@ writes one folder per job under ``outputs/multirun/<stage>/<time>/``, each
 with Hydra's ``.hydra/overrides.yaml`` and, once finished, a ``report.json``
 (``evaluate`` jobs) or ``evaluate/report.json`` (``pipeline`` jobs). This
 collects them into ``sweep.csv`` and ``sweep.md`` (one row per job, the swept
-values first) and, for each swept key, ``sweep_<key>.png`` with speedup and
+values first), ``sweep_drafters.csv`` (one row per drafter of every job's report, the second
+table of ``sweep.md``) and, for each swept key, ``sweep_<key>.png`` with speedup and
 acceptance against its values. Jobs without a report are listed as unfinished.
 """
 
@@ -33,6 +34,13 @@ FIGURES = (  # (column, path in report.json)
     ("simulated_prompts", ("simulated", "num_prompts")),
     ("baseline_simulated_tau", ("baseline_drafter", "simulated", "mean_accepted_tokens")),
     ("tau_gain", ("paired_difference", "mean_accepted_tokens")),
+    # the distilled drafter against the stock one (the base model as shipped), paired, each at its best K
+    ("speedup_ratio_vs_stock", ("against_stock", "predicted_speedup_ratio", "ratio")),
+    ("speedup_ratio_vs_stock_lo", ("against_stock", "predicted_speedup_ratio", "ci95", 0)),
+    ("speedup_ratio_vs_stock_hi", ("against_stock", "predicted_speedup_ratio", "ci95", 1)),
+    ("tau_vs_stock", ("against_stock", "tau_difference", "mean_accepted_tokens")),
+    ("timed_speedup_ratio_vs_stock", ("against_stock", "timed_speedup_ratio")),
+    ("cost_ratio", ("cost_ratio",)),
     ("prompt_lookup_tau", ("baselines", "prompt_lookup", "simulated", "mean_accepted_tokens")),
     ("acceptance_rate", ("acceptance_rate",)),
     ("mean_accepted_tokens", ("mean_accepted_tokens",)),
@@ -62,11 +70,14 @@ ERROR_FILE = "error.txt"  # a sweep job's error, written by the CLI (distill/cli
 _NOT_SWEPT = ("stage", "outputs")
 
 
-def _dig(obj: Any, path: tuple[str, ...]) -> Any:
+def _dig(obj: Any, path: tuple[str | int, ...]) -> Any:
     for key in path:
-        if not isinstance(obj, dict):
+        if isinstance(key, int):
+            obj = obj[key] if isinstance(obj, list) and -len(obj) <= key < len(obj) else None
+        elif isinstance(obj, dict):
+            obj = obj.get(key)
+        else:
             return None
-        obj = obj.get(key)
     return obj
 
 
@@ -144,6 +155,77 @@ def collect(sweep: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return rows, swept
 
 
+DRAFTER_COLUMNS = ("job", "drafter", "prompts", "acceptance", "acceptance_lo", "acceptance_hi", "tau", "tau_lo",
+                   "tau_hi", "top1_agreement", "best_k", "cost_ratio", "predicted_speedup", "predicted_speedup_lo",
+                   "predicted_speedup_hi", "ratio_vs_stock", "ratio_vs_stock_lo", "ratio_vs_stock_hi",
+                   "timed_speedup")
+
+
+def drafter_rows(sweep: Path) -> list[dict[str, Any]]:
+    """One row per drafter of every finished job's report (the distilled one, the undistilled one, the
+    ``compare_drafters``, prompt lookup): its simulated figures with intervals, its best K, c, the predicted
+    speedup there and the ratio to the stock drafter's (paired interval); the columns of ``DRAFTER_COLUMNS``."""
+    rows = []
+    for overrides_file in sorted(Path(sweep).glob("*/.hydra/overrides.yaml")):
+        job = overrides_file.parent.parent
+        report_path = next((p for p in (job / "report.json", job / "evaluate" / "report.json") if p.is_file()), None)
+        if report_path is None:
+            continue
+        report = json.loads(report_path.read_text())
+        lookup = (report.get("baselines") or {}).get("prompt_lookup") or {}
+        sections = [("distilled: " + describe_drafter(report.get("drafter") or {}), report),
+                    ("undistilled", report.get("baseline_drafter") or {}),
+                    *((str(name), other) for name, other in (report.get("compared_drafters") or {}).items()),
+                    ("prompt lookup (drafting free)", lookup)]
+        rows += [_drafter_row(job.name, label, section) for label, section in sections if section.get("simulated")]
+    return rows
+
+
+def _drafter_row(job: str, label: str, section: dict[str, Any]) -> dict[str, Any]:
+    sim = section["simulated"]
+    best = sim.get("recommended_draft_length")
+    ratio = (section.get("against_stock") or {}).get("predicted_speedup_ratio") or {}
+    row = {"job": job, "drafter": label, "prompts": sim.get("num_prompts"), "acceptance": sim.get("acceptance_rate"),
+           "tau": sim.get("mean_accepted_tokens"), "top1_agreement": sim.get("top1_agreement"), "best_k": best,
+           "cost_ratio": section.get("cost_ratio"),
+           "predicted_speedup": ((sim.get("per_k") or {}).get(str(best)) or {}).get("predicted_speedup"),
+           "ratio_vs_stock": ratio.get("ratio"), "timed_speedup": section.get("speedup")}
+    for name, interval in (("acceptance", _dig(sim, ("ci95", "acceptance_rate"))),
+                           ("tau", _dig(sim, ("ci95", "mean_accepted_tokens"))),
+                           ("predicted_speedup", _dig(sim, ("ci95", "predicted_speedup_at_best_k"))),
+                           ("ratio_vs_stock", ratio.get("ci95"))):
+        row[f"{name}_lo"], row[f"{name}_hi"] = interval or (None, None)
+    return row
+
+
+def render_drafters(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """:func:`drafter_rows` as (CSV text, Markdown table); empty strings without rows."""
+    if not rows:
+        return "", ""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=DRAFTER_COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+
+    def interval(row, key, fmt):
+        value, lo, hi = row.get(key), row.get(f"{key}_lo"), row.get(f"{key}_hi")
+        if value is None:
+            return "-"
+        return fmt.format(value) + (f" [{fmt.format(lo)}, {fmt.format(hi)}]" if lo is not None else "")
+
+    lines = ["## Every drafter, side by side within its job", "",
+             "Simulated exactly on the job's held-out prompts (95% bootstrap intervals over prompts); the predicted "
+             "speedup is at each drafter's best K with its measured c; the ratio to the stock drafter is paired on "
+             "the same prompts (costs held fixed); timed speedup: the decoder on the timed prompts, at the run's K.",
+             "", "| job | drafter | prompts | acceptance | tau | top-1 agreement | best K | c | predicted speedup | "
+             "ratio to stock | timed speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['job']} | {r['drafter']} | {_fmt(r['prompts'])} | {interval(r, 'acceptance', '{:.3f}')} | "
+              f"{interval(r, 'tau', '{:.2f}')} | {_fmt(r['top1_agreement'])} | {_fmt(r['best_k'])} | "
+              f"{_fmt(r['cost_ratio'])} | {interval(r, 'predicted_speedup', '{:.2f}')} | "
+              f"{interval(r, 'ratio_vs_stock', '{:.3f}')} | {_fmt(r['timed_speedup'])} |" for r in rows]
+    return buffer.getvalue(), "\n".join(lines) + "\n"
+
+
 def planned_jobs(sweep: Path) -> int | None:
     """How many jobs the sweep's command asked for (the product of its comma-separated values, from
     ``multirun.yaml``), or None when that cannot be told (a range sweep, no file)."""
@@ -196,8 +278,8 @@ def render(rows: list[dict[str, Any]], swept: list[str], sweep: Path) -> tuple[s
     writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    shown = ["job", *swept, "drafter", "status", "simulated_tau", "tau_gain", "acceptance_rate", "mean_accepted_tokens",
-             "speedup",
+    shown = ["job", *swept, "drafter", "status", "simulated_tau", "tau_gain", "speedup_ratio_vs_stock",
+             "acceptance_rate", "mean_accepted_tokens", "speedup",
              "baseline_speedup", "val_expected_acceptance", "val_top1_agreement", "distill_s", "outputs_match_target"]
     planned = planned_jobs(sweep)
     missing = (f" {planned - len(rows)} of the {planned} planned jobs never started: Hydra stops a sweep at its "
@@ -268,6 +350,10 @@ def run_gather(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     run = StageRun.start("gather", run_dir, config_yaml, inputs={"sweep": str(sweep)})
     csv_text, markdown = render(rows, swept, sweep)
     write_text_atomic(run_dir / "sweep.csv", csv_text)
+    drafters_csv, drafters_md = render_drafters(drafter_rows(sweep))
+    if drafters_csv:
+        write_text_atomic(run_dir / "sweep_drafters.csv", drafters_csv)
+        markdown += "\n" + drafters_md
     plots = plot(rows, swept, run_dir)
     markdown += "".join(f"\n![{p.stem}]({p.name})\n" for p in plots)
     write_text_atomic(run_dir / "sweep.md", markdown)

@@ -15,6 +15,8 @@ from decode.acceptance import (
     bootstrap_ci,
     expected_sampling_blocks,
     figures,
+    DrafterCosts,
+    paired_speedup_ratio,
     paired_tau_difference,
     simulate_greedy,
     simulate_prompt_lookup,
@@ -229,6 +231,21 @@ def test_intervals_cover_and_pair():
     assert bootstrap_ci(lambda rows: 1.0, 5) == [1.0, 1.0]
 
 
+def test_paired_speedup_ratio_is_the_cost_models_ratio_with_a_paired_interval():
+    same = [_totals([3, 3, 2, 3]), _totals([3, 1, 3]), _totals([2, 3, 3, 3]), _totals([3, 0])] * 10
+    totals = [t for t, _ in same]
+    cheap, dear = DrafterCosts(cost_ratio=0.1, verify_cost=1.2), DrafterCosts(cost_ratio=0.2, verify_cost=1.2)
+    tokens, blocks, drafted = (sum(getattr(t, key) for t in totals) for key in ("tokens", "blocks", "drafted"))
+    expected = (tokens / (0.1 * drafted + 1.2 * blocks)) / (tokens / (0.2 * drafted + 1.2 * blocks))
+    ratio = paired_speedup_ratio(totals, cheap, totals, dear)
+    # the same blocks at a lower c: the ratio is fixed by the costs, so every resample gives nearly the same
+    assert ratio["ratio"] == pytest.approx(expected) and ratio["ratio"] > 1
+    assert ratio["ci95"][0] > 1 and ratio["ci95"][1] - ratio["ci95"][0] < 0.02
+    assert paired_speedup_ratio(totals, cheap, totals, cheap) == {"ratio": 1.0, "ci95": [1.0, 1.0]}
+    with pytest.raises(ValueError):
+        paired_speedup_ratio(totals, cheap, totals[:3], dear)
+
+
 def test_simulated_section_fields(pair):
     target, drafter = pair
     samples = teacher_forced(target, drafter, 40, [])
@@ -242,6 +259,11 @@ def test_simulated_section_fields(pair):
     assert k3["predicted_speedup"] == pytest.approx(section["mean_accepted_tokens"]
                                                     / (section["mean_draft_length"] * 0.2 + 1.3))
     assert 1 <= section["recommended_draft_length"] <= 16
+    best = section["per_k"][str(section["recommended_draft_length"])]["predicted_speedup"]
+    lo, hi = section["ci95"]["predicted_speedup_at_best_k"]
+    assert lo <= best <= hi
+    matches = [m for s in samples for m in s.matches]
+    assert section["top1_agreement"] == pytest.approx(sum(matches) / len(matches))
     assert section["per_category"]["code"]["num_prompts"] == len(PROMPTS)
     assert len(section["ci95"]["mean_accepted_tokens"]) == 2 and "heuristic" in section
 

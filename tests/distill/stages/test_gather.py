@@ -34,6 +34,16 @@ def test_two_point_sweep_gathered(tmp_path):
     assert "swept: decode.draft_length" in text and text.count("| finished |") == 2
     manifest = json.loads((markdown.parent / "manifest.json").read_text())
     assert manifest["swept"] == ["decode.draft_length"] and manifest["unfinished"] == 0
+    # every drafter of every job, the stock one (tiny-target: the tiny drafter is cut from it) among them
+    drafters = list(csv.DictReader((markdown.parent / "sweep_drafters.csv").open()))
+    assert sorted({r["drafter"] for r in drafters}) == sorted(
+        {"distilled: first 1 layer, full, fkl", "undistilled", "tiny-target", "prompt lookup (drafting free)"})
+    assert len(drafters) == 8 and all(r["prompts"] == "3" for r in drafters)
+    for r in drafters:
+        if r["ratio_vs_stock"]:
+            assert float(r["ratio_vs_stock_lo"]) <= float(r["ratio_vs_stock"]) <= float(r["ratio_vs_stock_hi"])
+    assert sum(bool(r["ratio_vs_stock"]) for r in drafters) == 4  # distilled and undistilled, in both jobs
+    assert "## Every drafter, side by side within its job" in text
 
 
 def test_unfinished_jobs_are_listed_and_bad_folders_refused(tmp_path):

@@ -179,14 +179,31 @@ def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
     root, pipeline = tiny_run
     distill_run = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "distill"
     proc = draftsmith_tiny("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval", f"inputs.distill={distill_run}",
-                           "evaluate.compare_drafters=[tiny-drafter]", "evaluate.hf_assisted=false", cwd=root)
+                           "evaluate.compare_drafters=[tiny-drafter]", "evaluate.compare_vocab_sizes=[64]",
+                           "evaluate.hf_assisted=false", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [report_path] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
     report = json.loads(report_path.read_text())
     other = report["compared_drafters"]["tiny-drafter"]
     assert other["outputs_match_target"] is True and 0 <= other["acceptance_rate"] <= 1
     assert other["target_tokens_per_s"] == report["target_tokens_per_s"]  # one target-alone measurement
-    assert "`tiny-drafter`" in (report_path.parent / "report.md").read_text()
+    markdown = (report_path.parent / "report.md").read_text()
+    assert "`tiny-drafter`" in markdown
+    # the drafter is cut from tiny-target: the stock tiny-target is measured too, and every other drafter
+    # (its 64-token head among them) is paired against it
+    assert report["drafter_stock"] == "tiny-target"
+    assert set(report["compared_drafters"]) == {"tiny-drafter", "tiny-target", "tiny-target (64-token head)"}
+    for section in (report, report["baseline_drafter"], other, report["compared_drafters"]["tiny-target (64-token head)"]):
+        against = section["against_stock"]
+        lo, hi = against["predicted_speedup_ratio"]["ci95"]
+        assert lo <= against["predicted_speedup_ratio"]["ratio"] <= hi
+        assert against["tau_difference"]["mean_accepted_tokens"] == pytest.approx(
+            section["simulated"]["mean_accepted_tokens"]
+            - report["compared_drafters"]["tiny-target"]["simulated"]["mean_accepted_tokens"])
+    assert "against_stock" not in report["compared_drafters"]["tiny-target"]
+    assert "Against the stock drafter (`tiny-target`" in markdown
+    assert markdown.index("## In short") < markdown.index("## Acceptance on every held-out prompt")
+    assert report["hardware"]["cpu_count"] == os.cpu_count()
     # drafter.* of this command says 2 layers (the whole tiny target: accepted always), but the baseline is the
     # drafter the run started from (1 layer), as in the pipeline's own report
     proc = draftsmith_tiny("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval2", f"inputs.distill={distill_run}",
@@ -371,6 +388,7 @@ def test_real_pipeline_smoke(qwen05, tmp_path):
     proc = draftsmith("pipeline", "experiment=quick", f"outputs={tmp_path}/outputs", "generate.num_prompts=4",
                       "generate.max_new_tokens=16", "distill.max_steps=3", "distill.batch_size=2",
                       "evaluate.num_prompts=2", "decode.max_new_tokens=16", "evaluate.hf_assisted=false",
+                      "evaluate.stock_drafter=false",  # the stock 0.5B is the target here; tiny runs test it
                       "target.dtype=float32", "drafter.dtype=float32", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())
