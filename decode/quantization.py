@@ -79,7 +79,7 @@ def resolve_quantization(mode: str, device: torch.device) -> str:
     return mode
 
 
-def quantize_drafter(model, mode: str):
+def quantize_drafter(model, mode: str, *, inplace: bool = False):
     """The drafter to decode with: ``model`` itself (``none``) or an int8-dynamic copy.
 
     ``auto`` means ``int8-dynamic`` on CPU and ``none`` elsewhere.
@@ -93,6 +93,8 @@ def quantize_drafter(model, mode: str):
     Args:
         model: a causal LM (transformers ``PreTrainedModel``) on the CPU.
         mode: one of ``QUANTIZATIONS``.
+
+        inplace: quantize ``model`` itself (it is then the int8 model) instead of a copy.
 
     Returns:
         the model to pass to the decoder (eval mode).
@@ -109,25 +111,26 @@ def quantize_drafter(model, mode: str):
     if model.device.type != "cpu":
         raise ValueError(f"int8-dynamic drafter quantization runs on CPU only (the drafter is on {model.device}); "
                          f"set decode.drafter_quantization=none and use a bf16 drafter on GPUs")
-    quantized = copy.deepcopy(model).float().eval()
+    # in place, a bf16 drafter never exists beside its float32 copy: 0.5B drafters held side by side fit in RAM
+    quantized = (model if inplace else copy.deepcopy(model)).float().eval()
     with warnings.catch_warnings():
         # torch 2.13 marks torch.ao.quantization deprecated in favour of torchao; its eager dynamic
         # quantization is still the fastest int8 path on CPU without torch.compile.
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(
             quantized, {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8,
-            mapping={torch.nn.Linear: PerTokenDynamicLinear})
+            mapping={torch.nn.Linear: PerTokenDynamicLinear}, inplace=inplace)
 
 
-def drafter_for_decoding(model, mode: str):
-    """The drafter as the decoder runs it: an int8 copy (:func:`quantize_drafter`), or ``model`` itself with its
-    float32 CPU linear layers swapped in place for oneDNN ones (:func:`decode.cpu_linear.use_onednn_linear`),
-    so pass a model that is only decoded from here on.
+def drafter_for_decoding(model, mode: str, *, inplace: bool = False):
+    """The drafter as the decoder runs it: an int8 copy (:func:`quantize_drafter`; ``model`` itself quantized with
+    ``inplace``), or ``model`` itself with its float32 CPU linear layers swapped in place for oneDNN ones
+    (:func:`decode.cpu_linear.use_onednn_linear`), so pass a model that is only decoded from here on.
 
     Raises:
         ValueError: as :func:`quantize_drafter`.
     """
-    runner = quantize_drafter(model, mode)
-    if runner is model:
+    runner = quantize_drafter(model, mode, inplace=inplace)
+    if resolve_quantization(mode, model.device) == "none":
         use_onednn_linear(runner)
     return runner

@@ -125,15 +125,15 @@ class DataConfig:
 class GenerateConfig:
     """Stage 1: the target answers training prompts."""
 
-    num_prompts: int = field(default=48, metadata={
+    num_prompts: int = field(default=32, metadata={
         "help": "training prompts answered (the target also answers the evaluate.num_prompts held-out ones)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "answer tokens per prompt, at most"})
+    max_new_tokens: int = field(default=96, metadata={"help": "answer tokens per prompt, at most"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature of the answers; 0 = greedy"})
     top_p: float = field(default=1.0, metadata={
         "help": "nucleus sampling: only the most likely tokens up to this probability (1 = all)"})
     batch_size: int = field(default=8, metadata={"help": "prompts answered together"})
     shard_size: int = field(default=16, metadata={"help": "prompts per shard written to disk (the unit of resume)"})
-    store_top_k: int = field(default=0, metadata={
+    store_top_k: int = field(default=20, metadata={
         "help": "keep the target's k most likely tokens + log-probs per answer token, so distill can run without the "
                 "target (distill.target_source=stored); 0 = off. ~16 bytes x k per token on disk"})
 
@@ -154,7 +154,7 @@ class DistillConfig:
     loss: str = field(default="fkl", metadata={
         "help": "fkl (forward KL) | rkl (reverse KL) | jsd (generalized JSD, jsd_beta) | tvd (total variation) | ce "
                 "(cross-entropy on the target's tokens)"})
-    target_source: str = field(default="online", metadata={
+    target_source: str = field(default="stored", metadata={
         "help": "online: the target scores every batch (no gradient); stored: use the top-k log-probs that "
                 "generate.store_top_k kept (no target in memory, ~2x faster steps; divergences on k+1 buckets)"})
     on_policy_fraction: float = field(default=0.0, metadata={
@@ -174,7 +174,7 @@ class DistillConfig:
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA branch's input"})
     lr: float = field(default=2e-4, metadata={
         "help": "peak learning rate (AdamW): linear warmup to it, then linear decay to 0 at max_steps"})
-    max_steps: int = field(default=30, metadata={"help": "optimizer steps in all (a resumed run's included)"})
+    max_steps: int = field(default=20, metadata={"help": "optimizer steps in all (a resumed run's included)"})
     batch_size: int = field(default=4, metadata={"help": "examples per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warmup"})
@@ -241,7 +241,7 @@ class DecodeConfig:
     top_k: int = field(default=0, metadata={"help": "sample from the k most likely tokens only; 0 = off"})
     top_p: float = field(default=1.0, metadata={
         "help": "nucleus sampling: only the most likely tokens up to this probability (1 = all)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "tokens decoded per prompt, at most"})
+    max_new_tokens: int = field(default=64, metadata={"help": "tokens decoded per prompt, at most"})
     schedule: str = field(default="constant", metadata={
         "help": "constant: K every block; heuristic: transformers' rule (K+2 after a fully accepted block, else "
                 "K-1); auto: K chosen from a short calibration (per-position acceptance, c, verification cost)"})
@@ -284,7 +284,7 @@ class DecodeConfig:
 class EvaluateConfig:
     """Stage 3: measure the drafter before and after distillation on held-out prompts."""
 
-    num_prompts: int = field(default=128, metadata={
+    num_prompts: int = field(default=64, metadata={
         "help": "held-out evaluation prompts (never used for training): the target answers all of them once "
                 "(batched) and every drafter's acceptance and tau on them are simulated exactly from one "
                 "teacher-forced pass"})

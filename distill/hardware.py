@@ -69,3 +69,16 @@ def resolve_auto(config):
         return dataclasses.replace(section, dtype=auto_dtype()) if section.dtype == "auto" else section
 
     return dataclasses.replace(config, target=resolved(config.target), drafter=resolved(config.drafter))
+
+
+def release_memory() -> None:
+    """Give freed model memory back to the OS (a garbage collection, then glibc's ``malloc_trim``; nothing more
+    where the C library is not glibc), so that the next models loaded do not stack on freed pages."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from distill.config import DistillConfig
 
-LOOP_TEST_DEFAULTS = dict(max_steps=100, checkpoint_every=0, keep_checkpoints=0, mixed_precision="no")
+LOOP_TEST_DEFAULTS = dict(max_steps=100, checkpoint_every=0, keep_checkpoints=0, mixed_precision="no",
+                          target_source="online")
 
 
 def loop_settings(**fields) -> DistillConfig:

@@ -7,9 +7,7 @@ the wall time and peak memory of every stage.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import gc
 import json
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from distill.data.training_data import resolve_extra_generate
 from distill.drafters.setup import check_drafter_tokens, check_layers_exist, check_tokenizers, check_training_hardware
 from distill.errors import ConfigError
 from distill.files import write_json_atomic
+from distill.hardware import release_memory
 from distill.measure.report import REPORT_MD, write_report_markdown
 from distill.models.loading import resolve_model
 from distill.runs import read_manifest, require_complete
@@ -29,15 +28,6 @@ from distill.stages.evaluate import run_evaluate
 from distill.stages.export import EXPORT_DIR, check_export_destination, run_export
 from distill.stages.generate import run_generate
 from distill.training.resume import named_checkpoint
-
-
-def _release_memory() -> None:
-    """Give the previous stage's model memory back to the OS before the next stage loads its models."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def preflight(cfg: Config, export_run: Path) -> None:
@@ -113,7 +103,7 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     else:
         print(f"[1/4] generate -> {folders['generate']}")
         run_generate(staged, folders["generate"], config_yaml)
-        _release_memory()
+        release_memory()
     if "distill" in given:
         print(f"[2/4] distill: using {folders['distill']} (inputs.distill), not training")
     else:
@@ -123,7 +113,7 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         if trained != folders["distill"]:
             folders["distill"] = trained
             staged = dataclasses.replace(staged, inputs=dataclasses.replace(staged.inputs, distill=str(trained)))
-        _release_memory()
+        release_memory()
     print(f"[3/4] evaluate -> {folders['evaluate']}")
     report_path = run_evaluate(staged, folders["evaluate"], config_yaml)
     print(f"[4/4] export -> {folders['export']}")

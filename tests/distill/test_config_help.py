@@ -43,7 +43,7 @@ def test_stage_help_shows_each_key_with_its_help(tmp_path):
     section = section[:next(i for i, line in enumerate(section[1:], 1) if not line.startswith(" "))]
     assert "  max_new_tokens: 64  # answer tokens per prompt, at most" in section  # the override's value
     # a help too long to follow its key is wrapped onto comment lines above it
-    store = section.index("  store_top_k: 0")
+    store = section.index("  store_top_k: 20")
     assert section[store - 2:store] == [
         "  # keep the target's k most likely tokens + log-probs per answer token, so distill can run without",
         "  # the target (distill.target_source=stored); 0 = off. ~16 bytes x k per token on disk",

@@ -239,7 +239,7 @@ def test_on_policy_answers_come_from_the_drafter():
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(target_source="stored", on_policy_fraction=0.5), "target_source=online"),
-    (dict(loss="ce", on_policy_fraction=0.5), "fkl, rkl, jsd or tvd"),
+    (dict(loss="ce", target_source="online", on_policy_fraction=0.5), "fkl, rkl, jsd or tvd"),
     (dict(on_policy_fraction=1.5), "lambda"),
     (dict(target_source="stored", temperature=2.0), "temperature 1"),
     (dict(target_source="disk"), "online"),

@@ -26,7 +26,7 @@ from distill.training.resume import (
     resume_key,
 )
 from tests.distill.test_config import _compose
-from tests.distill.stages.test_pipeline import REPO, draftsmith
+from tests.distill.stages.test_pipeline import REPO, TINY_THREADS, draftsmith, draftsmith_tiny
 
 
 def _fake_run(root: Path, name: str, key: str, steps=(5, 10), complete=False) -> Path:
@@ -144,16 +144,16 @@ def test_killed_distill_resumes_with_the_same_command(tmp_path):
     """SIGTERM a real distill process after a checkpoint; the same command finishes the run with the
     loss curve of an uninterrupted one."""
     out = tmp_path / "outputs"
-    proc = draftsmith("generate", "experiment=tiny", f"outputs={out}", cwd=tmp_path)
+    proc = draftsmith_tiny("generate", "experiment=tiny", f"outputs={out}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     gen = next(out.glob("generate/*"))
-    args = ["distill", "experiment=tiny", f"inputs.generate={gen}", "distill.max_steps=150",
-            "distill.checkpoint_every=20", "distill.val_fraction=0.25", "logger=jsonl"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    args = ["distill", "experiment=tiny", f"inputs.generate={gen}", "distill.max_steps=60",
+            "distill.checkpoint_every=10", "distill.val_fraction=0.25", "logger=jsonl"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **TINY_THREADS}
     killed = subprocess.Popen([sys.executable, "-m", "distill.cli", *args, f"outputs={out}"], cwd=tmp_path, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and not list(out.glob("distill/*/checkpoints/checkpoint-40/" + STATE_FILE)):
+    while time.time() < deadline and not list(out.glob("distill/*/checkpoints/checkpoint-20/" + STATE_FILE)):
         time.sleep(0.05)
     killed.send_signal(signal.SIGTERM)  # a scheduler's stop: one line that says how to go on, no traceback
     _, stderr = killed.communicate()
@@ -162,7 +162,7 @@ def test_killed_distill_resumes_with_the_same_command(tmp_path):
     [dead] = list(out.glob("distill/*"))
     assert not (dead / COMPLETE).exists() and latest_checkpoint(dead / "checkpoints") is not None
 
-    resumed = draftsmith(*args, f"outputs={out}", cwd=tmp_path)
+    resumed = draftsmith_tiny(*args, f"outputs={out}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming" in resumed.stdout
     [new] = list(out.glob("distill/*"))  # the dead run's folder moved into the new one
@@ -172,17 +172,17 @@ def test_killed_distill_resumes_with_the_same_command(tmp_path):
     manifest = json.loads((new / "manifest.json").read_text())
     assert manifest["resumed_run"] == str(new / "attempts" / dead.name)
     step = int(Path(manifest["resumed_from"]).name.split("-")[1])
-    assert 40 <= step < 150
+    assert 20 <= step < 60
     # one log for the whole run: the killed run's steps up to the checkpoint, then the rest
     logged = [json.loads(line) for line in (new / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logged if "loss" in r] == list(range(1, 151))
-    assert [r["step"] for r in logged if "val_loss" in r] == [0, 150]  # before (from the killed run) and after
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, 61))
+    assert [r["step"] for r in logged if "val_loss" in r] == [0, 60]  # before (from the killed run) and after
 
-    fresh = draftsmith(*args, "distill.resume=never", f"outputs={tmp_path / 'fresh'}", cwd=tmp_path)
+    fresh = draftsmith_tiny(*args, "distill.resume=never", f"outputs={tmp_path / 'fresh'}", cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     [uninterrupted] = list((tmp_path / "fresh").glob("distill/*"))
     assert _losses(new) == pytest.approx(_losses(uninterrupted), rel=1e-4, abs=1e-6)
-    assert len(_losses(new)) == 150
+    assert len(_losses(new)) == 60
     # "before" is the untrained drafter's validation, carried by the checkpoint, not the resume point's
     before = {k: v for k, v in manifest["train"].items() if k.endswith("_before")}
     fresh_manifest = json.loads((uninterrupted / "manifest.json").read_text())
