@@ -89,8 +89,9 @@ def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[
 
     Each model prefills each prompt once; then ``rounds`` rounds time ``repeats`` cached 1-token forwards of the
     target and of every drafter in turn (the cache cropped back after each), so a slow spell of the machine
-    falls on all of them alike. A model's time is the median over its rounds x repeats forwards, averaged over
-    the prompts; ``c = drafter time / target time`` (Leviathan et al. 2023, Sec. 3).
+    falls on all of them alike. A round's time of a model is the median of its ``repeats`` forwards, averaged
+    over the prompts; a round's ``c = drafter time / target time`` (Leviathan et al. 2023, Sec. 3); the result
+    is the median of the rounds' c (the times: medians over rounds), with the rounds' range.
 
     Returns:
         ``{"cost_ratios": {name: c}, "target_forward_ms": ms, "drafter_forward_ms": {name: ms},
@@ -102,9 +103,8 @@ def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[
     if not prompts_ids or not drafters or rounds < 1 or repeats < 1:
         raise ValueError("measure_cost_ratios needs prompts, drafters and rounds, repeats >= 1")
     models = {"\0target": target, **drafters}
-    times: dict[str, list[list[float]]] = {name: [[] for _ in prompts_ids] for name in models}  # [prompt][forward]
     per_round: dict[str, list[float]] = {name: [0.0] * rounds for name in models}
-    for p, ids in enumerate(prompts_ids):
+    for ids in prompts_ids:
         input_ids = torch.tensor([list(ids)], device=target.device)
         caches = {name: prefill(model, input_ids) for name, model in models.items()}
         last, base = input_ids[:, -1:], input_ids.shape[1] - 1
@@ -121,15 +121,13 @@ def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[
                     sync(model.device)
                     spent.append(time.perf_counter() - start)
                     crop(caches[name], base)
-                times[name][p] += spent
                 per_round[name][r] += statistics.median(spent) / len(prompts_ids)
         del caches
-    seconds = {name: sum(statistics.median(t) for t in rows) / len(rows) for name, rows in times.items()}
-    target_s = seconds.pop("\0target")
     target_rounds = per_round.pop("\0target")
     spread = {name: [d / t for d, t in zip(rows, target_rounds)] for name, rows in per_round.items()}
-    return {"cost_ratios": {name: s / target_s for name, s in seconds.items()},
-            "target_forward_ms": 1000 * target_s, "drafter_forward_ms": {n: 1000 * s for n, s in seconds.items()},
+    return {"cost_ratios": {name: statistics.median(c) for name, c in spread.items()},
+            "target_forward_ms": 1000 * statistics.median(target_rounds),
+            "drafter_forward_ms": {name: 1000 * statistics.median(rows) for name, rows in per_round.items()},
             "cost_ratio_range": {name: [min(c), max(c)] for name, c in spread.items()},
             "rounds": rounds, "prompts": len(prompts_ids)}
 

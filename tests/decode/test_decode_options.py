@@ -264,3 +264,18 @@ def test_hf_assisted_defaults_on_tiny_models(target, drafter):
                                   eos_token_ids=[], progress=False)
     assert result["new_tokens"] == 12 and result["tokens_per_s"] > 0
     assert drafter.generation_config.to_dict() == before  # transformers' tuning does not leak into later runs
+
+
+def test_side_by_side_cost_ratios_are_medians_of_interleaved_rounds(target, drafter):
+    from decode.benchmark import measure_cost_ratios
+
+    costs = measure_cost_ratios(target, {"small": drafter, "itself": target}, PROMPTS[:2], rounds=3, repeats=2)
+    assert set(costs["cost_ratios"]) == set(costs["cost_ratio_range"]) == {"small", "itself"}
+    assert costs["rounds"] == 3 and costs["prompts"] == 2 and costs["target_forward_ms"] > 0
+    for name, c in costs["cost_ratios"].items():
+        lo, hi = costs["cost_ratio_range"][name]
+        assert 0 < lo <= c <= hi  # the median round lies inside the rounds' range
+    lo, hi = costs["cost_ratio_range"]["itself"]
+    assert lo < 2 and hi > 0.5  # the target timed against itself: c about 1
+    with pytest.raises(ValueError):
+        measure_cost_ratios(target, {}, PROMPTS[:1])
