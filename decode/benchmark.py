@@ -52,16 +52,23 @@ def forward_seconds(model, input_ids: torch.Tensor, repeats: int = 5) -> float:
     """Median seconds of one cached 1-token forward of ``model`` after prefilling ``input_ids`` ``(1, L)``."""
     cache = prefill(model, input_ids)
     last = input_ids[:, -1:].to(model.device)
+    _timed_forwards(model, last, cache, 1)  # warm-up, not counted
+    return statistics.median(_timed_forwards(model, last, cache, repeats))
+
+
+def _timed_forwards(model, last: torch.Tensor, cache, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` cached forwards of the one token ``last`` ``(1, 1)`` after the prefilled ``cache``,
+    which is cropped back after each (so every call sees the same context)."""
+    base = cache.get_seq_length()
     times = []
-    for i in range(repeats + 1):  # the first call warms up and is not counted
+    for _ in range(repeats):
         sync(model.device)
         start = time.perf_counter()
         forward(model, last, cache, last_only=True)
         sync(model.device)
-        if i:
-            times.append(time.perf_counter() - start)
-        crop(cache, input_ids.shape[1] - 1)
-    return statistics.median(times)
+        times.append(time.perf_counter() - start)
+        crop(cache, base)
+    return times
 
 
 def measure_forward_seconds(target, drafter, prompts_ids: Sequence[Sequence[int]],
@@ -107,20 +114,12 @@ def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[
     for ids in prompts_ids:
         input_ids = torch.tensor([list(ids)], device=target.device)
         caches = {name: prefill(model, input_ids) for name, model in models.items()}
-        last, base = input_ids[:, -1:], input_ids.shape[1] - 1
+        last = input_ids[:, -1:]
         for name, model in models.items():  # warm-up, not counted
-            forward(model, last, caches[name], last_only=True)
-            crop(caches[name], base)
+            _timed_forwards(model, last, caches[name], 1)
         for r in range(rounds):
             for name, model in models.items():
-                spent = []
-                for _ in range(repeats):
-                    sync(model.device)
-                    start = time.perf_counter()
-                    forward(model, last, caches[name], last_only=True)
-                    sync(model.device)
-                    spent.append(time.perf_counter() - start)
-                    crop(caches[name], base)
+                spent = _timed_forwards(model, last, caches[name], repeats)
                 per_round[name][r] += statistics.median(spent) / len(prompts_ids)
         del caches
     target_rounds = per_round.pop("\0target")

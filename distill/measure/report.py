@@ -332,7 +332,7 @@ def _hf_assisted_section(report: dict[str, Any]) -> list[str]:
                   "| tokens/s | speedup vs target | output identical to target | ours / HF assisted |", "|---|---|---|---|",
                   f"| {_fmt(hf.get('tokens_per_s'), '{:.2f}')} | {_fmt(hf.get('speedup'), '{:.2f}x')} | "
                   f"{_fmt(hf.get('outputs_match_target'), '{}')} | "
-                  f"{_fmt(_ratio(report.get('speculative_tokens_per_s'), hf.get('tokens_per_s')), '{:.2f}x')} |"]
+                  f"{_fmt(ratio_or_none(report.get('speculative_tokens_per_s'), hf.get('tokens_per_s')), '{:.2f}x')} |"]
     target_base = (report.get("baselines") or {}).get("target") or {}
     if target_base.get("engine"):
         lines += ["", f"Target alone measured with {target_base['engine']}."]
@@ -600,7 +600,8 @@ def _plot_training(plt, report: dict[str, Any], base: dict[str, Any], folder: Pa
     return None
 
 
-def _ratio(a: Any, b: Any) -> float | None:
+def ratio_or_none(a: Any, b: Any) -> float | None:
+    """``a / b`` when both are numbers and ``b`` is not 0, else None (a figure missing from a report)."""
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 

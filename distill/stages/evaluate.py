@@ -32,7 +32,7 @@ from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, 
 from distill.errors import ConfigError, DraftsmithError
 from distill.files import write_json_atomic
 from distill.hardware import hardware, release_memory
-from distill.measure.report import REPORT_JSON, REPORT_MD, write_report_markdown, write_report_plots
+from distill.measure.report import REPORT_JSON, REPORT_MD, ratio_or_none, write_report_markdown, write_report_plots
 from distill.measure.simulation import (
     Pairing,
     answer_all,
@@ -222,7 +222,7 @@ def _against_stock(cfg: Config, report: dict[str, Any], pairings: dict[str, Pair
             continue
         section = sections[key]
         section["against_stock"] = {**paired_against(pairing, pairings[stock], cfg.evaluate.seed),
-                                    "timed_speedup_ratio": _ratio(section.get("speedup"), sections[stock].get("speedup"))}
+                                    "timed_speedup_ratio": ratio_or_none(section.get("speedup"), sections[stock].get("speedup"))}
 
 
 def _stock_key(report: dict[str, Any], pairings: dict[str, Pairing]) -> str | None:
@@ -232,10 +232,6 @@ def _stock_key(report: dict[str, Any], pairings: dict[str, Pairing]) -> str | No
     if whole and "undistilled" in pairings:
         return "undistilled"
     return info.get("base_name") if info.get("base_name") in pairings else None
-
-
-def _ratio(a: Any, b: Any) -> float | None:
-    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
 def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
