@@ -413,7 +413,7 @@ def reduce_for_training(model: nn.Module, size: int, train_completions: Sequence
         size: N, see :func:`draft_vocabulary`.
         train_completions: the training examples' ``completion_ids`` (the target's answers).
         val_completions: held-out completions, for ``val_coverage`` only.
-        always: ids always kept (EOS ids, pad); ids >= V are ignored.
+        always: ids always kept (the EOS ids; the model's ``config.pad_token_id`` is added); ids >= V are ignored.
 
     Returns:
         ``(draft_to_target (N,), record)``; ``record`` = ``{"size": N, "vocab_size": V, "coverage":
@@ -428,6 +428,8 @@ def reduce_for_training(model: nn.Module, size: int, train_completions: Sequence
     vocab = head.out_features
     if reduced_head(base) is not None:
         expand_vocabulary(base)
+    pad = getattr(base.config, "pad_token_id", None)
+    always = [*always, *([int(pad)] if isinstance(pad, int) else [])]
     ids = draft_vocabulary(train_completions, vocab, size, always=[i for i in always if 0 <= int(i) < vocab])
     reduce_vocabulary(model, ids)
     record = {"size": int(size), "vocab_size": int(vocab),

@@ -61,11 +61,9 @@ def reduce_drafter_vocabulary(cfg: Config, drafter, train_examples, val_examples
     size = cfg.drafter.draft_vocab_size
     if size is None:
         return None, None
-    pad = getattr(drafter.config, "pad_token_id", None)
-    always = list(eos_ids) + ([int(pad)] if isinstance(pad, int) else [])
     try:
         return reduce_for_training(drafter, size, [ex["completion_ids"] for ex in train_examples],
-                                   [ex["completion_ids"] for ex in val_examples], always=always)
+                                   [ex["completion_ids"] for ex in val_examples], always=eos_ids)
     except ValueError as err:
         raise ConfigError(f"drafter.draft_vocab_size: {err}") from err
 

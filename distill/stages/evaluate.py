@@ -48,9 +48,9 @@ from distill.measure.simulation import (
 )
 from distill.models.loading import eos_token_ids, load_model
 from distill.models.reduced_vocab import (
-    draft_vocabulary,
     draft_vocabulary_of,
     load_drafter,
+    reduce_for_training,
     reduce_vocabulary,
     reduced_head,
 )
@@ -403,11 +403,8 @@ def _reduced_stock_drafters(cfg: Config, stock: str, tokenizer, train_completion
     for size in cfg.evaluate.compare_vocab_sizes:
         model, model_tok, _ = load_model(stock, dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, model_tok, cfg.target.name, stock)
-        vocab = model.get_output_embeddings().out_features
-        pad = getattr(model.config, "pad_token_id", None)
-        always = [i for i in eos_token_ids(model, tokenizer) + ([pad] if isinstance(pad, int) else []) if i < vocab]
         try:
-            reduce_vocabulary(model, draft_vocabulary(train_completions, vocab, size, always=always))
+            reduce_for_training(model, size, train_completions, always=eos_token_ids(model, tokenizer))
         except ValueError as err:
             raise ConfigError(f"evaluate.compare_vocab_sizes: {err}") from err
         reduced[reduced_head_name(stock, size)] = model.eval()
