@@ -22,9 +22,15 @@ from decode.model_calls import vocab_size_of
 from decode.sampling import process_logits
 
 
-def _by_length(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length: at most ``max_rows`` rows and about ``max_tokens``
-    padded tokens each (a longer sequence gets a batch of its own)."""
+def batches_by_length(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
+    """Indices ``0..len(lengths)-1`` grouped into batches of similar length, shortest first: at most
+    ``max_rows`` rows and at most ``max_tokens`` padded tokens (rows x longest length) each; a sequence
+    longer than ``max_tokens`` gets a batch of its own.
+
+    On a CPU a padded prompt token costs a full token of prefill compute, and prompt lengths of a mixed
+    set span 30 to 2,000 tokens: batched in arrival order, most of the prefill is padding
+    (docs/runs.md, "Batching by length").
+    """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, current = [], []
     for i in order:
@@ -38,10 +44,12 @@ def _by_length(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[l
 @torch.inference_mode()
 def target_answers(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Sequence[int],
                    pad_token_id: int, batch_size: int = 8, temperature: float = 0.0, top_k: int = 0,
-                   top_p: float = 1.0, seed: int = 0, progress: bool = True) -> list[list[int]]:
+                   top_p: float = 1.0, seed: int = 0, batch_tokens: int | None = None,
+                   progress: bool = True) -> list[list[int]]:
     """The target's answer to each prompt (token ids, up to and including the first EOS), in input order.
 
-    Prompts of similar length share a left-padded batch (less padding to compute); greedy unless
+    Prompts of similar length share a left-padded batch of at most ``batch_size`` rows and, with
+    ``batch_tokens``, at most that many padded prompt tokens (:func:`batches_by_length`); greedy unless
     ``temperature`` > 0 (then torch's global generator is seeded with ``seed`` per batch).
 
     Raises:
@@ -52,7 +60,7 @@ def target_answers(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     sampling = (dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0
                 else dict(do_sample=False, temperature=None, top_k=None, top_p=None))
     eos, answers = set(eos_token_ids), [None] * len(prompts)
-    batches = _by_length([len(p) for p in prompts], max_tokens=1 << 30, max_rows=batch_size)
+    batches = batches_by_length([len(p) for p in prompts], max_tokens=batch_tokens or 1 << 62, max_rows=batch_size)
     bar = tqdm(total=len(prompts), desc="target answers", unit="prompt", disable=not progress)
     for number, rows in enumerate(batches):
         width = max(len(prompts[i]) for i in rows)
@@ -117,7 +125,7 @@ def drafter_predictions(drafter, prompts: Sequence[Sequence[int]], answers: Sequ
     vocab = vocab_size or vocab_size_of(drafter)
     results: list = [None] * len(prompts)
     lengths = [len(p) + len(a) for p, a in zip(prompts, answers)]
-    batches = _by_length(lengths, batch_tokens, max_rows=64)
+    batches = batches_by_length(lengths, batch_tokens, max_rows=64)
     with tqdm(total=sum(len(a) for a in answers), desc="teacher-forced drafter", unit="tok",
               disable=not progress) as bar:
         for rows in batches:
@@ -146,7 +154,7 @@ def sampling_betas(target, drafter, prompts: Sequence[Sequence[int]], answers: S
         raise ValueError("sampling_betas needs one answer per prompt")
     vocab = min(vocab_size_of(target), vocab_size_of(drafter))
     results: list = [None] * len(prompts)
-    batches = _by_length([len(p) + len(a) for p, a in zip(prompts, answers)], batch_tokens, max_rows=16)
+    batches = batches_by_length([len(p) + len(a) for p, a in zip(prompts, answers)], batch_tokens, max_rows=16)
     for rows in tqdm(batches, desc="teacher-forced betas", unit="batch", disable=not progress):
         batch_prompts, batch_answers = [list(prompts[i]) for i in rows], [list(answers[i]) for i in rows]
         target_logits = _answer_logits(target, batch_prompts, batch_answers, vocab)

@@ -131,7 +131,10 @@ class GenerateConfig:
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature of the answers; 0 = greedy"})
     top_p: float = field(default=1.0, metadata={
         "help": "nucleus sampling: only the most likely tokens up to this probability (1 = all)"})
-    batch_size: int = field(default=8, metadata={"help": "prompts answered together"})
+    batch_size: int = field(default=8, metadata={"help": "prompts answered together, at most"})
+    batch_tokens: int = field(default=6144, metadata={
+        "help": "padded prompt tokens a batch holds at most (rows x longest prompt): prompts of a shard are batched "
+                "by length, and a long prompt gets a smaller batch instead of padding seven short ones"})
     shard_size: int = field(default=16, metadata={"help": "prompts per shard written to disk (the unit of resume)"})
     store_top_k: int = field(default=20, metadata={
         "help": "keep the target's k most likely tokens + log-probs per answer token, so distill can run without the "
@@ -143,6 +146,7 @@ class GenerateConfig:
         _check(self.temperature >= 0, "generate.temperature", "must be >= 0 (0 = greedy)")
         _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
         _check(self.batch_size >= 1, "generate.batch_size", "must be >= 1")
+        _check(self.batch_tokens >= 1, "generate.batch_tokens", "must be >= 1 (e.g. 6144)")
         _check(self.shard_size >= 1, "generate.shard_size", "must be >= 1")
         _check(0 <= self.store_top_k <= 1000, "generate.store_top_k", "must be in 0..1000 (0 = off; 20 is plenty)")
 

@@ -56,17 +56,18 @@ def answers_target_key(fingerprint: str, dtype_setting: str, model) -> str:
 
 
 def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: int, batch_size: int, seed: int,
-               cache_dir: Path | None = None, target_key: str = "", tokenizer=None,
+               batch_tokens: int | None = None, cache_dir: Path | None = None, target_key: str = "", tokenizer=None,
                look_in: tuple[Path, ...] = (), who: str = "evaluate") -> list[list[int]]:
     """The target's answers to every prompt, as the decoder would emit them (greedy, or sampled with ``seed``),
     each cut after the token completing one of ``decode.stop_strings`` (needs ``tokenizer``) as the decoder cuts.
 
     With ``cache_dir``, answers are kept in ``cache_dir/answers-<key>.json`` (written atomically), the key
-    covering ``target_key`` (see :func:`answers_target_key`), the decode settings, the batch size and the
-    prompts' token ids: generate answers its held-out prompts into its run folder, and every evaluate of a
+    covering ``target_key`` (see :func:`answers_target_key`), the decode settings, the batching
+    (``batch_size`` rows and at most ``batch_tokens`` padded prompt tokens a batch) and the prompts' token ids: generate answers its held-out prompts into its run folder, and every evaluate of a
     sweep on that held-out set reads them there (``look_in``) or answers once into ``cache_dir``.
     """
-    key = answers_key(target, prompts, decode_cfg, eos=eos, batch_size=batch_size, seed=seed, target_key=target_key)
+    key = answers_key(target, prompts, decode_cfg, eos=eos, batch_size=batch_size, seed=seed, target_key=target_key,
+                      batch_tokens=batch_tokens)
     for folder in (*look_in, *([cache_dir] if cache_dir else [])):
         cached = _cached_answers(Path(folder) / answers_file(key), len(prompts))
         if cached is not None:
@@ -75,7 +76,7 @@ def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: 
     answers = target_answers(target, [ids for _, _, ids in prompts], max_new_tokens=decode_cfg.max_new_tokens,
                              eos_token_ids=eos, pad_token_id=pad_id, batch_size=batch_size,
                              temperature=decode_cfg.temperature, top_k=decode_cfg.top_k, top_p=decode_cfg.top_p,
-                             seed=seed)
+                             seed=seed, batch_tokens=batch_tokens)
     stopper = StopStrings(list(decode_cfg.stop_strings), tokenizer)
     if stopper:
         for i, answer in enumerate(answers):
@@ -87,10 +88,10 @@ def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: 
 
 
 def answers_key(target, prompts: Prompts, decode_cfg, *, eos: list[int], batch_size: int, seed: int,
-                target_key: str) -> str:
+                target_key: str, batch_tokens: int | None = None) -> str:
     """The cache key of :func:`answer_all`'s answers (16 hex digits)."""
     settings = (decode_cfg.max_new_tokens, decode_cfg.temperature, decode_cfg.top_k, decode_cfg.top_p, seed,
-                batch_size, list(eos), list(decode_cfg.stop_strings),  # batching changes the rounding: the answers too
+                batch_size, batch_tokens, list(eos), list(decode_cfg.stop_strings),  # batching changes the rounding: the answers too
                 str(target.device), torch.__version__)
     return hashlib.sha256(json.dumps([target_key, settings, [ids for _, _, ids in prompts]]).encode()).hexdigest()[:16]
 

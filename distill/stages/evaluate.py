@@ -288,7 +288,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
           f"prompts (generate's, or answered now, batched), for the exact acceptance of every drafter")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     answers = answer_all(target, prompts, dec, eos=eos, pad_id=pad_id, batch_size=cfg.generate.batch_size,
-                         seed=cfg.evaluate.seed, cache_dir=Path(cfg.outputs) / ".shards", look_in=(gen_dir,),
+                         batch_tokens=cfg.generate.batch_tokens, seed=cfg.evaluate.seed, cache_dir=Path(cfg.outputs) / ".shards", look_in=(gen_dir,),
                          target_key=answers_target_key(target_res.fingerprint, cfg.target.dtype, target),
                          tokenizer=tokenizer)
     print(f"evaluate: target alone on {len(timed)} of them, timed (evaluate.timed_prompts)")

@@ -28,6 +28,7 @@ from datasets import Dataset, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 
 from decode.cpu_linear import use_onednn_linear
+from decode.teacher_forcing import batches_by_length
 from distill.config import Config
 from distill.data.generated import DATASET_DIR, EVAL_PROMPTS, select_prompts
 from distill.data.prompts import Prompt, encode_prompt
@@ -46,7 +47,8 @@ def _shard_key(fingerprint: str, cfg: Config) -> str:
     g = cfg.generate
     payload = json.dumps({"target": fingerprint, "dtype": cfg.target.dtype,
                           "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p,
-                          "batch_size": g.batch_size, "shard_size": g.shard_size, "seed": cfg.data.seed,
+                          "batch_size": g.batch_size, "batch_tokens": g.batch_tokens,
+                          "shard_size": g.shard_size, "seed": cfg.data.seed,
                           # only when on, so shards written before the option existed stay valid
                           **({"store_top_k": g.store_top_k} if g.store_top_k else {})})
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -133,35 +135,45 @@ def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_r
             if shard_dir.is_dir():
                 continue
             torch.manual_seed(cfg.data.seed * 1_000_003 + start)  # a resumed shard samples what it would have
-            rows = []
-            for b in range(start, min(start + g.shard_size, len(train)), g.batch_size):
-                idx = list(range(b, min(b + g.batch_size, start + g.shard_size, len(train))))
+            members = range(start, min(start + g.shard_size, len(train)))
+            answered: dict[int, dict] = {}
+            for batch in batches_by_length([len(encoded[i]) for i in members], g.batch_tokens, g.batch_size):
+                idx = [members[k] for k in batch]
                 t = time.perf_counter()
-                try:
-                    answers = answer_batch(model, [encoded[i] for i in idx], pad_id=pad_id, eos_ids=eos_ids,
-                                           max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                           store_top_k=g.store_top_k)
-                except (MemoryError, RuntimeError) as err:
-                    if (asked := out_of_memory_bytes(err)) is None:
-                        raise
-                    size = f" (an allocation of {asked / 2**30:.2f} GiB failed)" if asked else ""
-                    raise OutOfMemoryError(
-                        f"out of memory answering prompts {idx[0]}-{idx[-1]} in a batch of {len(idx)}{size}: lower "
-                        f"generate.batch_size (now {g.batch_size}) or generate.max_new_tokens. Finished shards stay in "
-                        f"{shard_root}; a new batch size writes new shards (batching changes the numerics)") from err
+                answered.update(zip(idx, _answer_or_explain(model, [encoded[i] for i in idx], idx, g, shard_root,
+                                                            pad_id=pad_id, eos_ids=eos_ids)))
                 gen_s += time.perf_counter() - t
-                for i, answer in zip(idx, answers):
-                    new_tokens += len(answer["completion_ids"])
-                    rows.append({"prompt_id": train[i].id, "source": train[i].source, "category": train[i].category,
-                                 "prompt_ids": encoded[i], **answer,
-                                 "temperature": g.temperature, "top_p": g.top_p,
-                                 "target_fingerprint": fingerprint})
+                new_tokens += sum(len(answered[i]["completion_ids"]) for i in idx)
                 bar.update(len(idx))
                 bar.set_postfix(tok_s=f"{new_tokens / max(gen_s, 1e-9):.1f}")
+            rows = [{"prompt_id": train[i].id, "source": train[i].source, "category": train[i].category,
+                     "prompt_ids": encoded[i], **answered[i], "temperature": g.temperature, "top_p": g.top_p,
+                     "target_fingerprint": fingerprint} for i in members]  # in prompt order, whatever the batching
             with atomic_dir(shard_dir) as tmp:
                 Dataset.from_list(rows).save_to_disk(str(tmp))
         bar.close()
     return new_tokens, gen_s
+
+
+def _answer_or_explain(model, prompts: list[list[int]], idx: list[int], g, shard_root: Path, *, pad_id: int,
+                       eos_ids: list[int]) -> list[dict]:
+    """:func:`answer_batch` on one batch (``idx``: the prompts' positions, for the message).
+
+    Raises:
+        OutOfMemoryError: the batch did not fit, naming the settings to lower.
+    """
+    try:
+        return answer_batch(model, prompts, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=g.max_new_tokens,
+                            temperature=g.temperature, top_p=g.top_p, store_top_k=g.store_top_k)
+    except (MemoryError, RuntimeError) as err:
+        if (asked := out_of_memory_bytes(err)) is None:
+            raise
+        size = f" (an allocation of {asked / 2**30:.2f} GiB failed)" if asked else ""
+        raise OutOfMemoryError(
+            f"out of memory answering prompts {sorted(idx)} in one batch{size}: lower "
+            f"generate.batch_size (now {g.batch_size}), generate.batch_tokens (now {g.batch_tokens}) or "
+            f"generate.max_new_tokens. Finished shards stay in {shard_root}; other batch settings write new shards "
+            f"(batching changes the numerics)") from err
 
 
 def _answer_held_out(model, tokenizer, held_out: list[Prompt], cfg: Config, run_dir: Path, *, pad_id: int,
@@ -177,7 +189,8 @@ def _answer_held_out(model, tokenizer, held_out: list[Prompt], cfg: Config, run_
           f"{cfg.decode.max_new_tokens}), for evaluate's exact acceptance")
     start = time.perf_counter()
     prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in wanted]
-    common = dict(eos=eos_ids, batch_size=cfg.generate.batch_size, seed=cfg.evaluate.seed,
+    common = dict(eos=eos_ids, batch_size=cfg.generate.batch_size, batch_tokens=cfg.generate.batch_tokens,
+                  seed=cfg.evaluate.seed,
                   target_key=answers_target_key(fingerprint, cfg.target.dtype, model))
     # answered into outputs/.shards (as the training shards): a run again with other training prompts, or killed
     # after this point, reads them there; the run folder holds its own copy for evaluate

@@ -25,7 +25,7 @@ from decode.acceptance import (
 from decode.metrics import DecodeStats
 from decode.prompt_lookup import PromptLookupDrafter, lookup_draft
 from decode.speculative import speculative_generate, target_generate
-from decode.teacher_forcing import drafter_predictions, sampling_betas, target_answers
+from decode.teacher_forcing import batches_by_length, drafter_predictions, sampling_betas, target_answers
 from tests.decode.test_speculative import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -185,10 +185,25 @@ def test_sampling_expectation_matches_seeded_decoder_runs():
     assert abs(mean_d - mean_s) < 4 * se + 0.03 * mean_d, (mean_d, mean_s, se)
 
 
-def test_target_answers_batched_equal_batch_one(pair):
+@pytest.mark.parametrize("max_tokens, max_rows", [(1 << 62, 3), (40, 8), (12, 2), (1, 4)])
+def test_batches_by_length_hold_every_index_once_within_their_limits(max_tokens, max_rows):
+    lengths = [int(n) for n in torch.randint(1, 30, (41,), generator=torch.Generator().manual_seed(2))]
+    batches = batches_by_length(lengths, max_tokens, max_rows)
+    assert sorted(sum(batches, [])) == list(range(len(lengths)))
+    flat = [lengths[i] for b in batches for i in b]
+    assert flat == sorted(lengths)  # shortest first, so a batch's rows are of similar length
+    for b in batches:
+        assert len(b) <= max_rows and (len(b) == 1 or len(b) * max(lengths[i] for i in b) <= max_tokens)
+    # greedy packing: the next sequence would not have fitted into the batch before it
+    for before, after in zip(batches, batches[1:]):
+        assert len(before) == max_rows or (len(before) + 1) * lengths[after[0]] > max_tokens
+
+
+@pytest.mark.parametrize("batch_tokens", [None, 12])
+def test_target_answers_batched_equal_batch_one(pair, batch_tokens):
     target, _ = pair
     batched = target_answers(target, PROMPTS, max_new_tokens=20, eos_token_ids=[9], pad_token_id=0, batch_size=3,
-                             progress=False)
+                             batch_tokens=batch_tokens, progress=False)
     for prompt, answer in zip(PROMPTS, batched):
         alone = target_generate(target, torch.tensor([prompt]), max_new_tokens=20, eos_token_ids=[9])
         assert answer == alone.new_tokens.tolist()

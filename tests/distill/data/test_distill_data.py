@@ -130,6 +130,37 @@ def test_generate_stores_the_distribution_each_token_came_from(target):
         torch.testing.assert_close(torch.tensor(ex["top_k_logprobs"]), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_generate_batches_a_shard_by_length_and_writes_it_in_prompt_order(target, tmp_path, monkeypatch):
+    """A shard's prompts are batched by length within generate.batch_tokens padded tokens (a long prompt is not
+    padded against short ones), the rows come back in prompt order, and each answer is the one the prompt gets
+    alone (greedy, float32)."""
+    from datasets import load_from_disk
+
+    import distill.stages.generate as generate
+    from distill.config import Config, GenerateConfig
+    from distill.data.prompts import Prompt
+
+    lengths = [3, 20, 4, 18, 5, 3, 21, 6]
+    g = torch.Generator().manual_seed(5)
+    encoded = [torch.randint(1, VOCAB - 1, (n,), generator=g).tolist() for n in lengths]
+    train = [Prompt(id=f"p{i}", messages=[{"role": "user", "content": str(i)}], source="t", category="c")
+             for i in range(len(lengths))]
+    cfg = Config(generate=GenerateConfig(batch_size=4, batch_tokens=40, shard_size=8, max_new_tokens=6,
+                                         store_top_k=0))
+    seen, real = [], generate.answer_batch
+    monkeypatch.setattr(generate, "answer_batch", lambda model, ids, **kw: seen.append(ids) or real(model, ids, **kw))
+    generate._answer_shards(target, train, encoded, tmp_path, {0: "shard"}, cfg, pad_id=0, eos_ids=[VOCAB - 1],
+                            fingerprint="f")
+    assert sorted(map(len, sum(seen, []))) == sorted(lengths)
+    assert all(len(b) == 1 or len(b) * max(map(len, b)) <= 40 for b in seen)
+    assert [len(b) for b in seen] == [4, 2, 1, 1]  # 3 3 4 5 (4 rows) | 6 18 (36) | 20 (3 x 20 > 40) | 21 (42 > 40)
+    rows = load_from_disk(str(tmp_path / "shard")).to_list()
+    assert [r["prompt_id"] for r in rows] == [p.id for p in train] and [r["prompt_ids"] for r in rows] == encoded
+    for row, ids in zip(rows, encoded):
+        alone = real(target, [ids], pad_id=0, eos_ids=[VOCAB - 1], max_new_tokens=6, temperature=0.0, top_p=1.0)
+        assert row["completion_ids"] == alone[0]["completion_ids"]
+
+
 def test_collate_aligns_stored_rows_with_the_loss_positions(target):
     examples = _stored_examples(target, k=3)
     batch = collate(examples, pad_token_id=0, max_seq_len=14)  # truncation cuts prompts and answers
