@@ -147,34 +147,58 @@ def measure_cost_ratio(target, drafter, prompts_ids: Sequence[Sequence[int]], re
 def measure_verify_costs(target, prompts_ids: Sequence[Sequence[int]], max_tokens: int, repeats: int = 3) -> list[float]:
     """Cost of one cached target forward over n tokens in units of a 1-token forward, n = 1..max_tokens.
 
-    ``result[n - 1]`` = median time(n tokens) / median time(1 token), summed
-    over prompts. Leviathan et al.'s Theorem 3.8 assumes 1.0 for every n
-    (verification as cheap as a decoding step, as on a GPU); on a CPU it
-    grows with n, which is why measured speedups there fall short of theirs.
+    Each prompt is prefilled once; then ``repeats`` rounds time every length once, in alternating order
+    (1..max_tokens, then back), so that a slow spell of the machine falls on all lengths alike.
+    ``result[n - 1]`` = the median over rounds of time(n tokens), summed over prompts, over the same for
+    1 token. Leviathan et al.'s Theorem 3.8 assumes 1.0 for every n (verification as cheap as a decoding
+    step, as on a GPU); on a CPU it grows with n, which is why measured speedups there fall short of
+    theirs. :func:`monotone_verify_costs` smooths the result.
 
     Raises:
-        ValueError: no prompts or max_tokens < 1.
+        ValueError: no prompts, max_tokens < 1 or repeats < 1.
     """
-    if not prompts_ids or max_tokens < 1:
-        raise ValueError("measure_verify_costs needs a prompt and max_tokens >= 1")
+    if not prompts_ids or max_tokens < 1 or repeats < 1:
+        raise ValueError("measure_verify_costs needs a prompt, max_tokens >= 1 and repeats >= 1")
     totals = [0.0] * max_tokens
     for ids in prompts_ids:
         input_ids = torch.tensor([list(ids)], device=target.device)
         cache = prefill(target, input_ids)
         base = input_ids.shape[1] - 1
-        for n in range(1, max_tokens + 1):
-            block = input_ids[:, -1:].repeat(1, n)
-            times = []
-            for i in range(repeats + 1):  # the first call warms up
+        times: list[list[float]] = [[] for _ in range(max_tokens)]
+        lengths = list(range(1, max_tokens + 1))
+        for r in range(repeats + 1):  # round 0 warms up every length
+            for n in (lengths if r % 2 else lengths[::-1]):
                 sync(target.device)
                 start = time.perf_counter()
-                forward(target, block, cache)
+                forward(target, input_ids[:, -1:].repeat(1, n), cache)
                 sync(target.device)
-                if i:
-                    times.append(time.perf_counter() - start)
+                if r:
+                    times[n - 1].append(time.perf_counter() - start)
                 crop(cache, base)
-            totals[n - 1] += statistics.median(times)
+        for n in lengths:
+            totals[n - 1] += statistics.median(times[n - 1])
     return [t / totals[0] for t in totals]
+
+
+def monotone_verify_costs(costs: Sequence[float]) -> list[float]:
+    """Measured verification costs ``(n,)`` made non-decreasing: entries 2..n by the closest non-decreasing
+    sequence (least squares: the pool-adjacent-violators algorithm), none below the first, the unit (the
+    1-token forward), which stays as given.
+
+    One more token in a forward never makes it cheaper on average, so a dip between neighbouring lengths is
+    timing noise; pooling it keeps the choice of K from chasing it. Kernel steps (a jump at 4 or 8 rows) are
+    kept: they are increases.
+    """
+    if not costs:
+        return []
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for value in costs[1:]:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [costs[0]] + [max(costs[0], total / count) for total, count in blocks for _ in range(count)]
 
 
 def _hf_kwargs(*, max_new_tokens, eos_token_ids, temperature, top_k=0, top_p=1.0, stop_strings=(),
@@ -454,6 +478,7 @@ def benchmark(
     progress: bool = True,
     seed: int = 0,
     target_outputs: Sequence[SpeculativeOutput] | None = None,
+    verify_costs: Sequence[float] | None = None,
 ) -> dict:
     """Measure our speculative decoder against the target alone and HF assisted generation.
 
@@ -498,6 +523,10 @@ def benchmark(
         seed: seeds the per-prompt generators when sampling.
         target_outputs: the target-alone runs of these prompts from :func:`run_target_alone`
             (same settings), to measure several drafters against one baseline run; None runs it here.
+        verify_costs: the target's verification costs from an earlier call (``verify_costs`` of its result),
+            which depend on the target alone; None measures them here (:func:`measure_verify_costs` on the
+            first 3 prompts, made non-decreasing by :func:`monotone_verify_costs`; the raw medians are
+            ``verify_costs_measured``).
 
     Returns:
         A dict: ``acceptance_rate``, ``alpha``, ``mean_accepted_tokens`` (tau,
@@ -578,8 +607,8 @@ def benchmark(
         pooled = DecodeStats.merge([r.speculative.stats for r in runs])
         bar.set_postfix(acceptance=f"{pooled.acceptance_rate:.3f}", tau=f"{pooled.mean_accepted_tokens:.2f}")
 
-    target_forward_s, cost_ratio, verify_costs = _measure_costs(target, drafter, prompts, runs, draft_length,
-                                                                notes)
+    target_forward_s, cost_ratio, verify_costs, measured_verify = _measure_costs(
+        target, drafter, prompts, runs, draft_length, notes, verify_costs)
 
     def figures(subset):
         return _speed_figures(subset, draft_length, cost_ratio, greedy, verify_costs, target_engine, target_forward_s)
@@ -590,6 +619,7 @@ def benchmark(
     if auto is not None:
         result["auto_draft_length"] = auto
     result["verify_costs"] = verify_costs
+    result["verify_costs_measured"] = measured_verify
     result["target_forward_s"] = target_forward_s  # 1-token target forward with a cache, timed alone
     result["notes"] = notes
     result["per_category"] = {category: figures([r for r in runs if r.category == category])
@@ -611,23 +641,30 @@ def _calibrate_draft_length(target, drafter, prompts, decode_args: dict, *, max_
             **calibration["draft_length_choice"]}
 
 
-def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_length: int,
-                   notes: list[str]) -> tuple[float, float, list[float]]:
-    """The cost model's inputs, timed on the first prompts: ``(one-token target forward in s, c, verify costs
-    per length in one-token target forwards)``; a verification cost that makes speculation pay little is
-    added to ``notes`` and printed."""
+def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_length: int, notes: list[str],
+                   given_verify: Sequence[float] | None) -> tuple[float, float, list[float], list[float] | None]:
+    """The cost model's inputs, timed on the first 3 prompts: ``(one-token target forward in s, c, verify costs
+    per length in one-token target forwards (non-decreasing), the raw verify medians or None when
+    ``given_verify`` was used)``; a verification cost that makes speculation pay little is added to ``notes``
+    and printed."""
     calibration_ids = [ids for _, _, ids in prompts[:3]]
     target_forward_s, draft_forward_s = measure_forward_seconds(target, drafter, calibration_ids)
     cost_ratio = draft_forward_s / target_forward_s
     longest = max(max(r.speculative.stats.drafted_per_block, default=0) for r in runs)
-    verify_costs = measure_verify_costs(target, calibration_ids[:1], min(max(8, longest), 16) + 1)
+    wanted = min(max(8, longest), 16) + 1
+    measured = None
+    if given_verify is not None and len(given_verify) >= wanted:
+        verify_costs = list(given_verify)
+    else:
+        measured = measure_verify_costs(target, calibration_ids, wanted)
+        verify_costs = monotone_verify_costs(measured)
     slow_verify = verify_costs[min(draft_length, len(verify_costs) - 1)]
     if slow_verify > 2.0:
         notes.append(f"verifying K + 1 = {draft_length + 1} tokens cost {slow_verify:.1f} one-token target forwards on "
                      f"this host (about 1 where the weights are read once): speculation pays little here; see "
                      f"docs/cpu_linear.md (float32 CPU layers go through oneDNN, decode.cpu_linear.use_onednn_linear)")
         print(f"benchmark: warning: {notes[-1]}", flush=True)
-    return target_forward_s, cost_ratio, verify_costs
+    return target_forward_s, cost_ratio, verify_costs, measured
 
 
 def _per_prompt_rows(runs: list[_PromptRun], greedy: bool) -> list[dict]:

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.acceptance import SimulationSettings, simulated_section
-from decode.benchmark import machine_busy, measure_cost_ratio, measure_verify_costs
+from decode.benchmark import machine_busy, measure_cost_ratio, measure_verify_costs, monotone_verify_costs
 from decode.cpu_linear import use_onednn_linear
 from decode.draft_length import DraftLengthChoice, expected_speedup, rule_of_thumb_draft_length
 from decode.metrics import DecodeStats, verify_cost_at
@@ -190,7 +190,7 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                                            min(rows))
     pooled, target_stats = DecodeStats.merge(spec), DecodeStats.merge(alone)
     cost_ratio = measure_cost_ratio(target, runner, prompts[:2])
-    verify_costs = measure_verify_costs(target, prompts[:1], c.max_draft_length + 1)
+    verify_costs = monotone_verify_costs(measure_verify_costs(target, prompts[:2], c.max_draft_length + 1))
     # every K exactly, from the target's own answers and one teacher-forced pass (decode.acceptance)
     samples = teacher_forced_greedy(runner, [(p.id, p.category, ids) for p, ids in zip(held_out, prompts)],
                                     answers, min(rows))

@@ -143,7 +143,8 @@ def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settin
     for paired differences). The predicted speedups take c from ``costs`` (every drafter timed side by side,
     :func:`decode.benchmark.measure_cost_ratios`) and ``verify_costs`` (the target's, from the first drafter's
     run), so that between drafters only c differs, measured alike."""
-    figures = benchmark(target, runner, timed, hf_assisted=hf_assisted, target_outputs=alone, **settings)
+    figures = benchmark(target, runner, timed, hf_assisted=hf_assisted, target_outputs=alone,
+                        verify_costs=verify_costs, **settings)
     simulation = settings_of(cfg.decode, figures)
     samples = teacher_forced(target, runner, prompts, answers, cfg.decode, vocab)
     model_costs = {"cost_ratio": costs["cost_ratios"][key], "verify_costs": verify_costs or figures.get("verify_costs")}
@@ -252,16 +253,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     held_out = evaluation_prompts(cfg, held_out, gen_dir)  # a bad evaluate.prompts file fails here, before loading
     run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)})
 
-    t0 = time.perf_counter()
-    target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
-    tuned, info = load_tuned_drafter(distill_dir, cfg.drafter.dtype)
+    target, tokenizer, target_res, tuned, info, load_s = _load_models(cfg, distill_dir)
     tuned_parameters = sum(p.numel() for p in tuned.parameters())
-    if info["target_fingerprint"] != target_res.fingerprint:
-        raise DraftsmithError(
-            f"the drafter in {distill_dir} was tuned for target {info['target_name']!r} "
-            f"(fingerprint {info['target_fingerprint'][:12]}), not for {cfg.target.name!r} "
-            f"({target_res.fingerprint[:12]}): set target.name={info['target_name']} or distil a drafter for this target")
-    load_s = time.perf_counter() - t0
 
     eos = eos_token_ids(target, tokenizer)
     prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in held_out]
@@ -288,7 +281,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
           f"prompts (generate's, or answered now, batched), for the exact acceptance of every drafter")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     answers = answer_all(target, prompts, dec, eos=eos, pad_id=pad_id, batch_size=cfg.generate.batch_size,
-                         batch_tokens=cfg.generate.batch_tokens, seed=cfg.evaluate.seed, cache_dir=Path(cfg.outputs) / ".shards", look_in=(gen_dir,),
+                         batch_tokens=cfg.generate.batch_tokens, seed=cfg.evaluate.seed,
+                         cache_dir=Path(cfg.outputs) / ".shards", look_in=(gen_dir,),
                          target_key=answers_target_key(target_res.fingerprint, cfg.target.dtype, target),
                          tokenizer=tokenizer)
     print(f"evaluate: target alone on {len(timed)} of them, timed (evaluate.timed_prompts)")
@@ -311,23 +305,47 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         "drafter": {**report["drafter"], "dtype": cfg.drafter.dtype, "path": str(distill_dir / DRAFTER_DIR),
                     "parameters": tuned_parameters},
         "decode": {**asdict(dec), "drafter_quantization_used": quantization},
-        "engine": f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
-        if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA",
-        "hardware": hardware(),  # the host kind every speed figure depends on
         "prompt_ids": [p[0] for p in prompts],
         "eval_prompts": eval_set,  # held-out (the generate run's) or evaluate.prompts, with its training overlap
         "distill_inputs": distill_manifest.get("inputs", {}),  # the generate runs it was trained on
     })
     _add_notes(cfg, report, quantization, busy, gen_manifest)
     _add_distill_validation(report, distill_manifest)
+    report_path = _write_report(cfg, report, run_dir, distill_dir)
+    run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
+                 acceptance_rate=report.get("acceptance_rate"))
+    return report_path
+
+
+def _load_models(cfg: Config, distill_dir: Path):
+    """The target and the tuned drafter: ``(target, tokenizer, target's ResolvedModel, tuned, its info, seconds)``.
+
+    Raises:
+        DraftsmithError: the drafter was tuned for another target than ``target.name``.
+    """
+    t0 = time.perf_counter()
+    target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
+    tuned, info = load_tuned_drafter(distill_dir, cfg.drafter.dtype)
+    if info["target_fingerprint"] != target_res.fingerprint:
+        raise DraftsmithError(
+            f"the drafter in {distill_dir} was tuned for target {info['target_name']!r} "
+            f"(fingerprint {info['target_fingerprint'][:12]}), not for {cfg.target.name!r} "
+            f"({target_res.fingerprint[:12]}): set target.name={info['target_name']} or distil a drafter for this target")
+    return target, tokenizer, target_res, tuned, info, time.perf_counter() - t0
+
+
+def _write_report(cfg: Config, report: dict[str, Any], run_dir: Path, distill_dir: Path) -> Path:
+    """The host and engine figures, the plots, ``report.json`` (atomically), the logger's copy and ``report.md``;
+    returns the path of ``report.json``."""
+    report["engine"] = (f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
+                        if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA")
+    report["hardware"] = hardware()  # the host kind every speed figure depends on
     plots = write_report_plots(report, run_dir, training_metrics=distill_dir / "checkpoints" / "metrics.jsonl")
     report["plots"] = [str(p) for p in plots]
     report_path = run_dir / REPORT_JSON
     write_json_atomic(report_path, report)
     _log_report(cfg, run_dir, report, plots)
     write_report_markdown(report, run_dir / REPORT_MD)
-    run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
-                 acceptance_rate=report.get("acceptance_rate"))
     return report_path
 
 

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from decode.benchmark import benchmark, measure_verify_costs, run_target_alone
+from decode.benchmark import benchmark, measure_verify_costs, monotone_verify_costs, run_target_alone
 from decode.speculative import speculative_generate, target_generate
 from decode.stopping import StopStrings
 from distill.models.tiny import tiny_tokenizer
@@ -173,8 +173,29 @@ def test_benchmark_stop_strings_across_decoders(target, drafter, tokenizer):
 
 
 def test_measure_verify_costs(target):
-    costs = measure_verify_costs(target, [PROMPTS[0]], 4, repeats=2)
+    costs = measure_verify_costs(target, [PROMPTS[0], PROMPTS[1]], 4, repeats=2)
     assert len(costs) == 4 and costs[0] == 1.0 and all(c > 0 for c in costs)
+
+
+@pytest.mark.parametrize("raw, smooth", [
+    ([1.0, 0.9, 1.1, 1.0, 1.3], [1.0, 1.0, 1.05, 1.05, 1.3]),  # nothing below the unit
+    ([1.0, 1.2, 1.1, 1.0, 2.0], [1.0, 1.1, 1.1, 1.1, 2.0]),
+    ([1.0, 1.0, 1.5, 1.6], [1.0, 1.0, 1.5, 1.6]),  # already non-decreasing: unchanged
+    ([1.0], [1.0]),
+    ([], []),
+])
+def test_monotone_verify_costs_pool_the_dips_and_keep_the_steps(raw, smooth):
+    assert monotone_verify_costs(raw) == pytest.approx(smooth)
+
+
+def test_benchmark_reuses_given_verify_costs_and_measures_them_otherwise(target, drafter):
+    args = dict(draft_length=2, max_new_tokens=8, eos_token_ids=[], hf_assisted=False, progress=False)
+    measured = benchmark(target, drafter, [("a", "code", PROMPTS[0])], **args)
+    assert measured["verify_costs"] == monotone_verify_costs(measured["verify_costs_measured"])
+    given = [1.0 + 0.1 * n for n in range(17)]
+    reused = benchmark(target, drafter, [("a", "code", PROMPTS[0])], **args, verify_costs=given)
+    assert reused["verify_costs"] == given and reused["verify_costs_measured"] is None
+    assert reused["verify_cost"] == pytest.approx(given[2])  # K + 1 = 3 tokens
 
 
 # --- drafter quantization ------------------------------------------------------------------------------
