@@ -45,24 +45,30 @@ def batches_by_length(lengths: Sequence[int], max_tokens: int, max_rows: int) ->
 def target_answers(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Sequence[int],
                    pad_token_id: int, batch_size: int = 8, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, seed: int = 0, batch_tokens: int | None = None,
-                   progress: bool = True) -> list[list[int]]:
+                   part: tuple[int, int] = (0, 1), progress: bool = True) -> list[list[int] | None]:
     """The target's answer to each prompt (token ids, up to and including the first EOS), in input order.
 
     Prompts of similar length share a left-padded batch of at most ``batch_size`` rows and, with
     ``batch_tokens``, at most that many padded prompt tokens (:func:`batches_by_length`); greedy unless
     ``temperature`` > 0 (then torch's global generator is seeded with ``seed`` per batch).
 
+    ``part=(i, n)`` answers only batches i, i + n, ... of the same batching (one of n processes); the other
+    prompts' entries are None, and the n parts together equal the whole, answer for answer.
+
     Raises:
-        ValueError: batch_size < 1.
+        ValueError: batch_size < 1, or a part outside ``0 <= i < n``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0 <= part[0] < part[1]:
+        raise ValueError(f"part must be (i, n) with 0 <= i < n, got {part}")
     sampling = (dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0
                 else dict(do_sample=False, temperature=None, top_k=None, top_p=None))
     eos, answers = set(eos_token_ids), [None] * len(prompts)
     batches = batches_by_length([len(p) for p in prompts], max_tokens=batch_tokens or 1 << 62, max_rows=batch_size)
-    bar = tqdm(total=len(prompts), desc="target answers", unit="prompt", disable=not progress)
-    for number, rows in enumerate(batches):
+    mine = [(number, rows) for number, rows in enumerate(batches) if number % part[1] == part[0]]
+    bar = tqdm(total=sum(len(rows) for _, rows in mine), desc="target answers", unit="prompt", disable=not progress)
+    for number, rows in mine:
         width = max(len(prompts[i]) for i in rows)
         ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)

@@ -6,6 +6,8 @@ Everything after the stage name is a Hydra override (``distill.lr=3e-4``,
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import os
 import shutil
@@ -137,8 +139,8 @@ def _remove_if_unused(run_dir: Path, stage: str) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        if parallel.world_size() > 1:  # the main process of several (main() refused other stages)
-            _distill_in_all_processes(lambda: (to_config(cfg), run_dir, OmegaConf.to_yaml(cfg)))
+        if parallel.world_size() > 1:  # the main process of several (main() refused the other stages)
+            _stage_in_all_processes(cfg.stage, lambda: _checked(cfg, run_dir))
             return None
         return run_stage(cfg, run_dir)
     except DraftsmithError as err:
@@ -153,27 +155,43 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         sys.exit(2)
 
 
-def _distill_in_all_processes(share: Callable[[], tuple] | None) -> None:
-    """The distill stage in every launched process: the main one shares its checked config, run folder
-    and config text (``share``, run inside Hydra); the others (``share=None``) never run Hydra, so they
-    make no run folder of their own, and train in the main process's."""
+def _checked(cfg: DictConfig, run_dir: Path) -> tuple:
+    """What the main process of several shares: the checked config with ``auto`` resolved, its run folder and
+    its config text (as :func:`run_stage` prepares them for one process)."""
+    config = resolve_auto(to_config(cfg))
+    check_logger(config.logger)
+    return config, run_dir, OmegaConf.to_yaml(cfg)
+
+
+def _stage_in_all_processes(stage: str, share: Callable[[], tuple] | None) -> None:
+    """A data-parallel stage (``PARALLEL_STAGES``) in every launched process: the main one shares its checked
+    config, run folder and config text (``share``, run inside Hydra); the others (``share=None``) never run
+    Hydra, so they make no run folder of their own, and work in the main process's."""
     config, run_dir, config_yaml = parallel.from_main(share)
+    if stage == "generate":
+        from distill.stages.generate import run_generate
+
+        run_generate(config, run_dir, config_yaml)
+        return
     from distill.stages.distill import run_distill
 
     run_distill(config, run_dir, config_yaml)
 
 
-def _follow_main() -> None:
-    """A launched process other than the main one: train with it; errors the main process relays are
+def _follow_main(stage: str) -> None:
+    """A launched process other than the main one: work with it; errors the main process relays are
     reported there, so they end this process quietly (rc 2)."""
     try:
-        _distill_in_all_processes(None)
+        _stage_in_all_processes(stage, None)
     except DraftsmithError as err:
         if not getattr(err, "relayed", False):
             kind = "config error" if isinstance(err, ConfigError) else "error"
-            print(f"draftsmith distill (process {parallel.launcher_rank()}): {kind}: {err}", file=sys.stderr)
+            print(f"draftsmith {stage} (process {parallel.launcher_rank()}): {kind}: {err}", file=sys.stderr)
         sys.exit(2)
 
+
+# The stages that run in a launcher's N processes: distill trains data-parallel, generate shares out its shards.
+PARALLEL_STAGES = ("generate", "distill")
 
 # Hydra flags that do not run the stage (help, printing the config, completion) or run several jobs.
 _NOT_IN_PARALLEL = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
@@ -181,13 +199,13 @@ _NOT_IN_PARALLEL = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", 
 
 
 def _refuse_in_parallel(stage: str, flags: list[str]) -> None:
-    """Under a launcher's N processes (WORLD_SIZE > 1): only a plain ``distill`` run is data-parallel."""
+    """Under a launcher's N processes (WORLD_SIZE > 1): only a plain ``generate`` or ``distill`` run."""
     why = None
-    if stage != "distill":
-        why = (f"only the distill stage trains data-parallel; run `draftsmith {stage}` as one process "
-               "(without torchrun / accelerate launch)")
+    if stage not in PARALLEL_STAGES:
+        why = (f"only the generate and distill stages run in several processes; run `draftsmith {stage}` as one "
+               "process (without torchrun / accelerate launch)")
     elif used := [f for f in flags if f.split("=", 1)[0] in _NOT_IN_PARALLEL]:
-        why = f"{' '.join(used)} does not run one distill job: use it without torchrun / accelerate launch"
+        why = f"{' '.join(used)} does not run one {stage} job: use it without torchrun / accelerate launch"
     if why:
         if parallel.launcher_rank() == 0:  # once, not N times
             print(f"draftsmith {stage}: error: WORLD_SIZE={parallel.world_size()}: {why}", file=sys.stderr)
@@ -264,7 +282,7 @@ def _main(argv: list[str] | None) -> None:
     refuse_unwritable_outputs(stage, overrides)
     refuse_settings_of_given_runs(stage, overrides)
     refuse_bad_sweep_values(stage, flags, overrides)
-    if parallel.world_size() > 1:  # torchrun / accelerate launch: N processes, one distill run
+    if parallel.world_size() > 1:  # torchrun / accelerate launch: N processes, one generate or distill run
         _refuse_in_parallel(stage, flags)
         try:
             state = parallel.start()
@@ -276,7 +294,8 @@ def _main(argv: list[str] | None) -> None:
     # (--hydra-help composes Hydra's own config, which has no `stage`)
     stage_override = [] if "--hydra-help" in flags else [f"stage={stage}"]
     sys.argv = [f"draftsmith {stage}", *flags, *stage_override, *overrides]
-    run = _follow_main if parallel.world_size() > 1 and not state.is_main_process else _hydra_main
+    run = functools.partial(_follow_main, stage) if parallel.world_size() > 1 and not state.is_main_process \
+        else _hydra_main
     try:
         run()
     except SystemExit as done:  # sys.exit(2) after a reported error: leave without waiting for the others

@@ -1,4 +1,4 @@
-"""One ``draftsmith distill`` run in N launched processes (``torchrun`` / ``accelerate launch``).
+"""One ``draftsmith distill`` or ``generate`` run in N launched processes (``torchrun`` / ``accelerate launch``).
 
 A launcher starts the same command N times (``WORLD_SIZE=N``). Only the main process (rank 0) goes
 through Hydra: it alone picks (or, with ``distill.resume=auto``, continues) the run folder, takes the
@@ -68,6 +68,15 @@ def start() -> Any:
     return state
 
 
+def rank_and_size() -> tuple[int, int]:
+    """``(this process's rank, number of processes)`` of the joined process group; ``(0, 1)`` without one."""
+    if not _active():
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
 def is_main() -> bool:
     """True in a single-process run and on the main process of several."""
     if not _active():
@@ -108,6 +117,24 @@ def from_main(compute: Callable[[], T] | None) -> T:
         value.relayed = True
         raise value
     return value
+
+
+def merged_parts(items: list) -> list:
+    """Every process's ``items`` merged entry by entry, on every process: each process filled its own entries
+    and left the others None (``items`` as is without several processes).
+
+    Raises:
+        ValueError: the processes' lists differ in length.
+    """
+    if not _active():
+        return items
+    import torch.distributed as dist
+
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, items)
+    if any(len(p) != len(items) for p in parts):
+        raise ValueError(f"merged_parts: lists of lengths {[len(p) for p in parts]} from the processes")
+    return [next((p[i] for p in parts if p[i] is not None), None) for i in range(len(items))]
 
 
 def barrier() -> None:

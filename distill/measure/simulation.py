@@ -31,6 +31,7 @@ from decode.metrics import verify_cost_at
 from decode.prompt_lookup import DEFAULT_MAX_NGRAM
 from decode.stopping import StopStrings
 from decode.teacher_forcing import drafter_predictions, sampling_betas, target_answers
+from distill import parallel
 from distill.files import write_json_atomic
 
 Prompts = list[tuple[str, str, list[int]]]  # (prompt_id, category, token ids)
@@ -64,7 +65,8 @@ def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: 
     With ``cache_dir``, answers are kept in ``cache_dir/answers-<key>.json`` (written atomically), the key
     covering ``target_key`` (see :func:`answers_target_key`), the decode settings, the batching
     (``batch_size`` rows and at most ``batch_tokens`` padded prompt tokens a batch) and the prompts' token ids: generate answers its held-out prompts into its run folder, and every evaluate of a
-    sweep on that held-out set reads them there (``look_in``) or answers once into ``cache_dir``.
+    sweep on that held-out set reads them there (``look_in``) or answers once into ``cache_dir``. Of N launched
+    processes each answers every N-th batch, all get the whole list, and the main one writes the file.
     """
     key = answers_key(target, prompts, decode_cfg, eos=eos, batch_size=batch_size, seed=seed, target_key=target_key,
                       batch_tokens=batch_tokens)
@@ -73,16 +75,16 @@ def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: 
         if cached is not None:
             print(f"{who}: the target's answers to these {len(prompts)} prompts come from {folder / answers_file(key)}")
             return cached
-    answers = target_answers(target, [ids for _, _, ids in prompts], max_new_tokens=decode_cfg.max_new_tokens,
-                             eos_token_ids=eos, pad_token_id=pad_id, batch_size=batch_size,
-                             temperature=decode_cfg.temperature, top_k=decode_cfg.top_k, top_p=decode_cfg.top_p,
-                             seed=seed, batch_tokens=batch_tokens)
+    answers = parallel.merged_parts(target_answers(  # of N launched processes (generate), each answers 1/N
+        target, [ids for _, _, ids in prompts], max_new_tokens=decode_cfg.max_new_tokens, eos_token_ids=eos,
+        pad_token_id=pad_id, batch_size=batch_size, temperature=decode_cfg.temperature, top_k=decode_cfg.top_k,
+        top_p=decode_cfg.top_p, seed=seed, batch_tokens=batch_tokens, part=parallel.rank_and_size()))
     stopper = StopStrings(list(decode_cfg.stop_strings), tokenizer)
     if stopper:
         for i, answer in enumerate(answers):
             stop = stopper.first_stop(answer, 0)
             answers[i] = answer if stop is None else answer[:stop + 1]
-    if cache_dir is not None:
+    if cache_dir is not None and parallel.is_main():
         write_json_atomic(Path(cache_dir) / answers_file(key), answers)
     return answers
 

@@ -15,6 +15,7 @@ log-probabilities at every completion position),
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ from tqdm.auto import tqdm
 
 from decode.cpu_linear import use_onednn_linear
 from decode.teacher_forcing import batches_by_length
+from distill import parallel
 from distill.config import Config
 from distill.data.generated import DATASET_DIR, EVAL_PROMPTS, select_prompts
 from distill.data.prompts import Prompt, encode_prompt
@@ -113,24 +115,33 @@ def answer_batch(model, input_ids: list[list[int]], *, pad_id: int, eos_ids: lis
 def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_root: Path, names: dict[int, str],
                    cfg: Config, *, pad_id: int, eos_ids: list[int], fingerprint: str) -> tuple[int, float]:
     """Answer the training prompts shard by shard into ``shard_root`` (``names``: shard start -> folder name),
-    skipping the shards already there; returns (new tokens, generation seconds) of the shards written now.
+    skipping the shards already there; returns (new tokens, generation seconds) of the shards this process
+    wrote now. Of N launched processes, process r answers shards r, r + N, ...; all return once every shard is
+    written.
 
     Raises:
         OutOfMemoryError: a batch did not fit, naming the settings to lower.
     """
     g = cfg.generate
+    rank, processes = parallel.rank_and_size()
     starts = sorted(names)
-    # two runs into one outputs= (a sweep, a retry) take turns here: the second reuses the first's shards
-    with exclusive(shard_root, f"generate: another run is writing shards in {shard_root}; waiting for it "
-                               f"(the shards it finishes are reused, not written again)"):
+    mine = starts[rank::processes]  # shard i to process i mod N: which shard is whose never changes a shard
+    # two runs into one outputs= (a sweep, a retry) take turns here: the second reuses the first's shards; the
+    # main process holds the lock for all processes of its own run
+    lock = exclusive(shard_root, f"generate: another run is writing shards in {shard_root}; waiting for it "
+                                 f"(the shards it finishes are reused, not written again)") \
+        if parallel.is_main() else contextlib.nullcontext()
+    with lock:
+        parallel.barrier()  # the other processes start once the main one holds the lock
         done = [s for s in starts if (shard_root / names[s]).is_dir()]
-        if done:
+        if done and parallel.is_main():
             print(f"generate: resuming, {len(done)}/{len(starts)} shards already finished in {shard_root}")
 
         new_tokens, gen_s = 0, 0.0
-        already = sum(min(g.shard_size, len(train) - s) for s in done)
-        bar = tqdm(total=len(train), desc="generate", unit="prompt", initial=already)
-        for start in starts:
+        size = {s: min(g.shard_size, len(train) - s) for s in starts}
+        bar = tqdm(total=sum(size[s] for s in mine), initial=sum(size[s] for s in mine if s in done), unit="prompt",
+                   desc="generate" if processes == 1 else f"generate (process {rank + 1} of {processes})")
+        for start in mine:
             shard_dir = shard_root / names[start]
             if shard_dir.is_dir():
                 continue
@@ -152,6 +163,7 @@ def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_r
             with atomic_dir(shard_dir) as tmp:
                 Dataset.from_list(rows).save_to_disk(str(tmp))
         bar.close()
+        parallel.barrier()  # every shard is on disk before the main process merges them (and lets the lock go)
     return new_tokens, gen_s
 
 
@@ -185,8 +197,9 @@ def _answer_held_out(model, tokenizer, held_out: list[Prompt], cfg: Config, run_
     wanted = held_out[:cfg.evaluate.num_prompts]
     if not wanted or cfg.evaluate.prompts:
         return 0.0, None
-    print(f"generate: the target answers the {len(wanted)} held-out prompts too (decode.max_new_tokens="
-          f"{cfg.decode.max_new_tokens}), for evaluate's exact acceptance")
+    if parallel.is_main():
+        print(f"generate: the target answers the {len(wanted)} held-out prompts too (decode.max_new_tokens="
+              f"{cfg.decode.max_new_tokens}), for evaluate's exact acceptance")
     start = time.perf_counter()
     prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in wanted]
     common = dict(eos=eos_ids, batch_size=cfg.generate.batch_size, batch_tokens=cfg.generate.batch_tokens,
@@ -197,7 +210,8 @@ def _answer_held_out(model, tokenizer, held_out: list[Prompt], cfg: Config, run_
     answers = answer_all(model, prompts, cfg.decode, pad_id=pad_id, cache_dir=Path(cfg.outputs) / ".shards",
                          tokenizer=tokenizer, who="generate", **common)
     name = answers_file(answers_key(model, prompts, cfg.decode, **common))
-    write_json_atomic(run_dir / name, answers)
+    if parallel.is_main():
+        write_json_atomic(run_dir / name, answers)
     return time.perf_counter() - start, name
 
 
@@ -213,7 +227,8 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     if too_long:
         print(f"generate: passed over {len(too_long)} prompt(s) longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens} tokens (e.g. {', '.join(too_long[:3])})")
-    run = StageRun.start("generate", run_dir, config_yaml)
+    main = parallel.is_main()  # of several launched processes, only the main one writes the run folder
+    run = StageRun.start("generate", run_dir, config_yaml) if main else None
     t0 = time.perf_counter()
     model, tokenizer, resolved = load_model(cfg.target.name, dtype=cfg.target.dtype)
     use_onednn_linear(model)  # float32 on a CPU: a batch's few rows per step through oneDNN (decode.cpu_linear)
@@ -237,7 +252,8 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                               f"the tokens to generate: {shown}; shorten or drop them, or lower "
                               f"generate.max_new_tokens / decode.max_new_tokens")
 
-    write_text_atomic(run_dir / EVAL_PROMPTS, "".join(json.dumps(asdict(p)) + "\n" for p in held_out))
+    if main:
+        write_text_atomic(run_dir / EVAL_PROMPTS, "".join(json.dumps(asdict(p)) + "\n" for p in held_out))
 
     g = cfg.generate
     key = _shard_key(resolved.fingerprint, cfg)
@@ -246,15 +262,17 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     names = {s: _shard_name(s, train[s:s + g.shard_size]) for s in starts}
     new_tokens, gen_s = _answer_shards(model, train, encoded, shard_root, names, cfg, pad_id=pad_id, eos_ids=eos_ids,
                                        fingerprint=resolved.fingerprint)
-
-    dataset = concatenate_datasets([load_from_disk(str(shard_root / names[s])) for s in starts])
-    final = run_dir / DATASET_DIR
-    if final.exists():  # left by an earlier attempt in this same folder
-        shutil.rmtree(final)
-    with atomic_dir(final) as tmp:
-        dataset.save_to_disk(str(tmp))
+    if main:
+        dataset = concatenate_datasets([load_from_disk(str(shard_root / names[s])) for s in starts])
+        final = run_dir / DATASET_DIR
+        if final.exists():  # left by an earlier attempt in this same folder
+            shutil.rmtree(final)
+        with atomic_dir(final) as tmp:
+            dataset.save_to_disk(str(tmp))
     answers_s, answers = _answer_held_out(model, tokenizer, held_out, cfg, run_dir, pad_id=pad_id, eos_ids=eos_ids,
                                           fingerprint=resolved.fingerprint)
+    if not main:
+        return run_dir
     lengths = dataset["completion_ids"]
     facts = {"num_train_prompts": len(train), "num_eval_prompts": len(held_out),
              "completion_tokens": sum(len(x) for x in lengths),
@@ -280,7 +298,8 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         skipped_prompt_lines=skipped,
         prompts_over_max_tokens=len(too_long),
         model_load_s=round(load_s, 2),
-        generation_tokens_per_s=round(new_tokens / gen_s, 2) if gen_s else None,
+        processes=parallel.rank_and_size()[1],
+        generation_tokens_per_s=round(new_tokens / gen_s, 2) if gen_s else None,  # the main process's shards
     )
 
 

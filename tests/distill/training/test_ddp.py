@@ -1,5 +1,6 @@
-"""Data-parallel training: ``train_drafter`` on 2 CPU processes (DDP over gloo), and the real
-``draftsmith distill`` command under ``torchrun --nproc_per_node 2``.
+"""Data-parallel training: ``train_drafter`` on 2 CPU processes (DDP over gloo), the real
+``draftsmith distill`` command under ``torchrun --nproc_per_node 2``, and ``draftsmith generate`` sharing its
+shards out over 2 and 3 processes.
 
 Two spawned processes each call :func:`distill.training.loop.train_drafter` on the same tiny random Qwen2
 target and drafter (same seeds, so the same weights). A single-process run with twice the batch
@@ -286,7 +287,62 @@ def test_distill_command_under_torchrun_resumes_unfinished_run(cli_ddp_run, tmp_
 
 
 def test_other_stages_refuse_several_processes(tmp_path):
-    proc = _draftsmith("generate", "experiment=tiny", f"outputs={tmp_path}/outputs", cwd=tmp_path, nproc=WORLD_SIZE)
+    proc = _draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/outputs", cwd=tmp_path, nproc=WORLD_SIZE)
     assert proc.returncode != 0
-    assert "only the distill stage trains data-parallel" in proc.stderr
+    assert "only the generate and distill stages run in several processes" in proc.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# `torchrun --nproc_per_node N -m distill.cli generate ...`: the shards shared out, one dataset
+
+# batches of 2 over 5 held-out prompts: both processes answer some of them
+GENERATE = ("generate", "experiment=tiny", "generate.num_prompts=14", "generate.batch_size=2",
+            "evaluate.num_prompts=5")
+
+
+def _generated(outputs: Path) -> tuple[list[dict], dict[str, str], dict]:
+    """The one generate run under ``outputs``: its rows, its other files' texts and its manifest."""
+    import datasets
+
+    from distill.runs import COMPLETE, read_manifest
+
+    (run,) = [p for p in (outputs / "generate").iterdir() if p.is_dir()]
+    assert (run / COMPLETE).is_file()
+    texts = {p.name: p.read_text() for p in run.iterdir() if p.name.startswith("answers-") or p.name == "eval_prompts.jsonl"}
+    return datasets.load_from_disk(str(run / "dataset")).to_list(), texts, read_manifest(run)
+
+
+@pytest.fixture(scope="module")
+def generate_one_and_two(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate_ddp")
+    runs = {}
+    for nproc in (1, WORLD_SIZE):
+        proc = _draftsmith(*GENERATE, f"outputs={root}/out{nproc}", cwd=root, nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[nproc] = _generated(root / f"out{nproc}")
+    return root, runs
+
+
+def test_generate_in_two_processes_writes_the_single_process_dataset(generate_one_and_two):
+    _, runs = generate_one_and_two
+    (rows1, files1, manifest1), (rows2, files2, manifest2) = runs[1], runs[WORLD_SIZE]
+    assert len(rows1) == 14 and rows2 == rows1  # row for row, in prompt order
+    assert files2 == files1 and any(name.startswith("answers-") for name in files1)  # held-out answers too
+    assert json.loads(next(v for k, v in files1.items() if k.startswith("answers-")))[0]  # ... not empty
+    assert manifest1["processes"] == 1 and manifest2["processes"] == WORLD_SIZE
+
+
+def test_generate_resumes_with_another_number_of_processes(generate_one_and_two, tmp_path):
+    root, runs = generate_one_and_two
+    out = tmp_path / "outputs"
+    proc = _draftsmith(*GENERATE[:2], "generate.num_prompts=8", *GENERATE[3:], f"outputs={out}", cwd=root,
+                       nproc=WORLD_SIZE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.rmtree(out / "generate")  # keep only the shards, as a killed run would
+    # 3 processes for 4 shards of which 2 are done: one process has nothing to answer
+    proc = _draftsmith(*GENERATE, f"outputs={out}", cwd=root, nproc=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming, 2/4 shards already finished" in proc.stdout
+    rows, files, _ = _generated(out)
+    assert rows == runs[1][0] and files == runs[1][1]
