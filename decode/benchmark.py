@@ -479,6 +479,7 @@ def benchmark(
     seed: int = 0,
     target_outputs: Sequence[SpeculativeOutput] | None = None,
     verify_costs: Sequence[float] | None = None,
+    forward_costs: tuple[float, float] | None = None,
 ) -> dict:
     """Measure our speculative decoder against the target alone and HF assisted generation.
 
@@ -527,6 +528,9 @@ def benchmark(
             which depend on the target alone; None measures them here (:func:`measure_verify_costs` on the
             first 3 prompts, made non-decreasing by :func:`monotone_verify_costs`; the raw medians are
             ``verify_costs_measured``).
+        forward_costs: ``(target 1-token forward in s, c)`` from an earlier measurement of these models
+            (:func:`measure_cost_ratios`, which times several drafters side by side); None times both here
+            (:func:`measure_forward_seconds` on the first 3 prompts, one more prefill of each model per prompt).
 
     Returns:
         A dict: ``acceptance_rate``, ``alpha``, ``mean_accepted_tokens`` (tau,
@@ -608,7 +612,7 @@ def benchmark(
         bar.set_postfix(acceptance=f"{pooled.acceptance_rate:.3f}", tau=f"{pooled.mean_accepted_tokens:.2f}")
 
     target_forward_s, cost_ratio, verify_costs, measured_verify = _measure_costs(
-        target, drafter, prompts, runs, draft_length, notes, verify_costs)
+        target, drafter, prompts, runs, draft_length, notes, verify_costs, forward_costs)
 
     def figures(subset):
         return _speed_figures(subset, draft_length, cost_ratio, greedy, verify_costs, target_engine, target_forward_s)
@@ -642,14 +646,18 @@ def _calibrate_draft_length(target, drafter, prompts, decode_args: dict, *, max_
 
 
 def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_length: int, notes: list[str],
-                   given_verify: Sequence[float] | None) -> tuple[float, float, list[float], list[float] | None]:
-    """The cost model's inputs, timed on the first 3 prompts: ``(one-token target forward in s, c, verify costs
-    per length in one-token target forwards (non-decreasing), the raw verify medians or None when
+                   given_verify: Sequence[float] | None, given_forward: tuple[float, float] | None = None,
+                   ) -> tuple[float, float, list[float], list[float] | None]:
+    """The cost model's inputs, timed on the first 3 prompts unless given: ``(one-token target forward in s, c,
+    verify costs per length in one-token target forwards (non-decreasing), the raw verify medians or None when
     ``given_verify`` was used)``; a verification cost that makes speculation pay little is added to ``notes``
     and printed."""
     calibration_ids = [ids for _, _, ids in prompts[:3]]
-    target_forward_s, draft_forward_s = measure_forward_seconds(target, drafter, calibration_ids)
-    cost_ratio = draft_forward_s / target_forward_s
+    if given_forward is not None:
+        target_forward_s, cost_ratio = given_forward
+    else:
+        target_forward_s, draft_forward_s = measure_forward_seconds(target, drafter, calibration_ids)
+        cost_ratio = draft_forward_s / target_forward_s
     longest = max(max(r.speculative.stats.drafted_per_block, default=0) for r in runs)
     wanted = min(max(8, longest), 16) + 1
     measured = None

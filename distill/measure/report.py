@@ -406,7 +406,7 @@ def _per_position_section(report: dict[str, Any]) -> list[str]:
 
 
 def _stages_section(report: dict[str, Any]) -> list[str]:
-    """Wall time and peak memory of each pipeline stage."""
+    """Wall time and peak memory of each pipeline stage, and where evaluate's time went."""
     lines: list[str] = []
     stages = report.get("stages")
     if stages:
@@ -416,6 +416,10 @@ def _stages_section(report: dict[str, Any]) -> list[str]:
                     f"{name} (reused: {fig['reused']}, not trained again)" if fig.get("reused") else name)
             lines.append(f"| {name} | {_fmt(fig.get('wall_s'), '{:.1f}')} | "
                          f"{_fmt((fig.get('peak_rss_bytes') or 0) / 2**30, '{:.2f}')} |")
+    phases = report.get("seconds")
+    if phases:
+        lines += ["", "Evaluate's phases (wall s): " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
+                                                                  for k, v in phases.items()) + "."]
     return lines
 
 

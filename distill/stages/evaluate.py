@@ -143,36 +143,38 @@ def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settin
     for paired differences). The predicted speedups take c from ``costs`` (every drafter timed side by side,
     :func:`decode.benchmark.measure_cost_ratios`) and ``verify_costs`` (the target's, from the first drafter's
     run), so that between drafters only c differs, measured alike."""
+    start = time.perf_counter()
     figures = benchmark(target, runner, timed, hf_assisted=hf_assisted, target_outputs=alone,
-                        verify_costs=verify_costs, **settings)
+                        verify_costs=verify_costs, forward_costs=(costs["target_forward_ms"] / 1000,
+                                                                  costs["cost_ratios"][key]), **settings)
+    seconds = {"timed_decoding": time.perf_counter() - start}
     simulation = settings_of(cfg.decode, figures)
+    start = time.perf_counter()
     samples = teacher_forced(target, runner, prompts, answers, cfg.decode, vocab)
+    seconds["teacher_forced"] = time.perf_counter() - start
     model_costs = {"cost_ratio": costs["cost_ratios"][key], "verify_costs": verify_costs or figures.get("verify_costs")}
     figures["simulated"], totals = simulated_drafter(samples, simulation, model_costs, cfg.evaluate.seed)
-    figures["simulated"]["cost_ratio"] = model_costs["cost_ratio"]  # side by side; the timed run's is cost_ratio
+    figures["simulated"]["cost_ratio"] = model_costs["cost_ratio"]  # side by side, as the timed run's
     figures["draft_length_choice"] = simulated_choice(figures["simulated"], figures.get("draft_length_choice"))
     if check:
+        start = time.perf_counter()
         figures["simulation_check"] = simulation_check(runner, figures, timed, simulation, vocab)
+        seconds["simulation_check"] = time.perf_counter() - start
+    figures["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
     return figures, pairing_of(samples, simulation, figures["simulated"], totals, model_costs)
 
 
-def _decoding_drafters(tuned, base, others: dict[str, Any], quantization: str) -> dict[str, Any]:
-    """Every drafter as the decoder runs it (``decode.quantization.drafter_for_decoding``, in place: the models
-    given are the runners afterwards), keyed ``distilled``, ``undistilled`` (when ``base`` is given) and by name
-    for ``others`` (emptied)."""
-    # in place, and without the full-vocabulary head a reduced one keeps for saving: six 0.5B drafters side by
-    # side take about 1.1 GB each instead of 3-4 (bf16 original + float32 copy + int8 model)
-    runners = {"distilled": drafter_for_decoding(tuned, quantization, inplace=True)}
-    if base is not None:
-        runners["undistilled"] = drafter_for_decoding(base, quantization, inplace=True)
-    for name in list(others):
-        runners[name] = drafter_for_decoding(others.pop(name), quantization, inplace=True)
-    for runner in runners.values():
-        head = reduced_head(runner)
-        if head is not None:
-            head.full_weight = None
+def _as_runner(model, quantization: str):
+    """``model`` as the decoder runs it (``decode.quantization.drafter_for_decoding``, in place: ``model`` is the
+    runner afterwards), without the full-vocabulary head a reduced one keeps for saving."""
+    # in place as soon as each drafter is loaded, so that one float copy exists at a time: 0.5B drafters side by
+    # side take about 1.1 GB each as int8 instead of 2.5 GB in float32 (an AVX2 host's dtype)
+    runner = drafter_for_decoding(model, quantization, inplace=True)
+    head = reduced_head(runner)
+    if head is not None:
+        head.full_weight = None
     release_memory()
-    return runners
+    return runner
 
 
 def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, measure, runners: dict[str, Any],
@@ -253,6 +255,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     held_out = evaluation_prompts(cfg, held_out, gen_dir)  # a bad evaluate.prompts file fails here, before loading
     run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)})
 
+    laps = _Laps()
     target, tokenizer, target_res, tuned, info, load_s = _load_models(cfg, distill_dir)
     tuned_parameters = sum(p.numel() for p in tuned.parameters())
 
@@ -270,11 +273,15 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     tuned_vocab = draft_vocabulary_of(tuned)
     tuned_vocab_size = None if tuned_vocab is None else int(tuned_vocab.numel())
     train_completions = _training_completions(cfg, trained_on)
-    base, draft_vocab, others = _reference_drafters(cfg, info, tuned, tokenizer, train_completions)
-    vocab = min(m.get_output_embeddings().out_features
-                for m in (target, tuned, base, *others.values()) if m is not None)
-    busy = machine_busy("evaluate")
     quantization = resolve_quantization(dec.drafter_quantization, target.device)
+    as_runner = functools.partial(_as_runner, quantization=quantization)
+    runners = {"distilled": as_runner(tuned)}
+    del tuned
+    runners.update(_reference_drafters(cfg, info, runners["distilled"], tokenizer, train_completions, as_runner))
+    draft_vocab = draft_vocabulary_of(runners["undistilled"]) if "undistilled" in runners else None
+    laps("load_models")
+    vocab = min(m.get_output_embeddings().out_features for m in (target, *runners.values()))
+    busy = machine_busy("evaluate")
     use_onednn_linear(target)  # float32 on a CPU: few-token forwards through oneDNN (decode.cpu_linear)
     timed = prompts[:cfg.evaluate.timed_prompts]
     print(f"evaluate: the target's answers to all {len(prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}"
@@ -285,12 +292,13 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                          cache_dir=Path(cfg.outputs) / ".shards", look_in=(gen_dir,),
                          target_key=answers_target_key(target_res.fingerprint, cfg.target.dtype, target),
                          tokenizer=tokenizer)
+    laps("target_answers")
     print(f"evaluate: target alone on {len(timed)} of them, timed (evaluate.timed_prompts)")
     alone = run_target_alone(target, timed, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
-    runners = _decoding_drafters(tuned, base, others, quantization)
-    del base
+    laps("target_alone")
     print(f"evaluate: c of the {len(runners)} drafters, timed side by side (5 rounds on {min(3, len(timed))} prompts)")
     costs = measure_cost_ratios(target, runners, [ids for _, _, ids in timed[:3]])
+    laps("cost_ratios")
     measure = functools.partial(_measure_drafter, cfg, target, timed, prompts, answers, alone, settings, vocab,
                                 costs=costs)
     print("evaluate: distilled drafter")
@@ -298,7 +306,9 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                                     check=True)
     report["drafter"] = {**info, "draft_vocab_size": tuned_vocab_size}
     report["side_by_side_costs"] = costs
+    laps("distilled_drafter")
     _measure_the_others(cfg, report, tuned_pairing, measure, runners, draft_vocab, prompts, answers)
+    laps("other_drafters")
 
     report.update({
         "target": {"name": cfg.target.name, "fingerprint": target_res.fingerprint, "dtype": cfg.target.dtype},
@@ -311,10 +321,29 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     })
     _add_notes(cfg, report, quantization, busy, gen_manifest)
     _add_distill_validation(report, distill_manifest)
+    report["seconds"] = laps.seconds  # where evaluate's time went (a drafter's own split: its "seconds")
     report_path = _write_report(cfg, report, run_dir, distill_dir)
     run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
                  acceptance_rate=report.get("acceptance_rate"))
     return report_path
+
+
+class _Laps:
+    """Wall seconds of evaluate's phases in order: ``laps(name)`` closes the phase that ran since the last call."""
+
+    def __init__(self) -> None:
+        self._phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._phases[phase] = now - self._last
+        self._last = now
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """``{phase: seconds, ..., "total": their sum}``, rounded to 0.1 s."""
+        return {k: round(v, 1) for k, v in {**self._phases, "total": sum(self._phases.values())}.items()}
 
 
 def _load_models(cfg: Config, distill_dir: Path):
@@ -371,38 +400,40 @@ def _evaluation_set(cfg: Config, prompts: list, distill_dir: Path, gen_dir: Path
     return eval_set
 
 
-def _reference_drafters(cfg: Config, info: dict[str, Any], tuned, tokenizer,
-                        train_completions) -> tuple[Any, Any, dict[str, Any]]:
-    """The undistilled drafter (``evaluate.baseline``; the same reduced head as the tuned one, if any) and
-    ``evaluate.compare_drafters`` with, under ``evaluate.stock_drafter``, the stock base model when the tuned
-    drafter is cut from it or has a reduced head: ``(base or None, draft vocabulary or None, {name: model})``. Loaded before
-    the long runs, so that a bad drafter config fails first.
+def _reference_drafters(cfg: Config, info: dict[str, Any], tuned, tokenizer, train_completions,
+                        as_runner) -> dict[str, Any]:
+    """The drafters measured beside the tuned one ``tuned``, each turned into its runner by ``as_runner`` as soon
+    as it is loaded: ``undistilled`` (``evaluate.baseline``; the same reduced head as the tuned one, if any), then
+    by name ``evaluate.compare_drafters`` with, under ``evaluate.stock_drafter``, the stock base model when the
+    tuned drafter is cut from it or has a reduced head, then ``evaluate.compare_vocab_sizes``' reduced heads.
+    Loaded before the long runs, so that a bad drafter config fails first.
 
     Raises:
         TokenizerMismatchError: a drafter's tokenizer does not match the target's.
     """
-    base, draft_vocab = None, None
+    drafters = {}
+    draft_vocab = draft_vocabulary_of(tuned)
     if cfg.evaluate.baseline:  # loaded first: a bad drafter config fails before the long runs
         # the drafter this run started from (its drafter_info), not whatever drafter.* says now
         base, base_tok, _ = initial_drafter(_as_distilled(cfg, info), dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
-        draft_vocab = draft_vocabulary_of(tuned)
         if draft_vocab is not None:
             # the same reduced head (rows of the untrained head): before vs after differs by training alone
             reduce_vocabulary(base, draft_vocab.clone())
-        base.eval()
+        drafters["undistilled"] = as_runner(base.eval())
+        del base
     names = list(cfg.evaluate.compare_drafters)
     stock = info.get("base_name") or cfg.drafter.name
-    cut = info.get("init", "sibling") != "sibling" or draft_vocabulary_of(tuned) is not None
+    cut = info.get("init", "sibling") != "sibling" or draft_vocab is not None
     if cfg.evaluate.stock_drafter and cut and stock not in names:
         names.append(stock)  # the reference of every against_stock figure
-    others = {}
     for name in names:  # loaded up front too, for the same reason
         other, other_tok, _ = load_model(name, dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, other_tok, cfg.target.name, name)
-        others[name] = other
-    others.update(_reduced_stock_drafters(cfg, stock, tokenizer, train_completions))
-    return base, draft_vocab, others
+        drafters[name] = as_runner(other)
+        del other
+    drafters.update(_reduced_stock_drafters(cfg, stock, tokenizer, train_completions, as_runner))
+    return drafters
 
 
 def reduced_head_name(stock: str, size: int) -> str:
@@ -410,9 +441,10 @@ def reduced_head_name(stock: str, size: int) -> str:
     return f"{stock} ({size // 1000}k head)" if size % 1000 == 0 else f"{stock} ({size}-token head)"
 
 
-def _reduced_stock_drafters(cfg: Config, stock: str, tokenizer, train_completions) -> dict[str, Any]:
+def _reduced_stock_drafters(cfg: Config, stock: str, tokenizer, train_completions, as_runner) -> dict[str, Any]:
     """``evaluate.compare_vocab_sizes``: the stock drafter with its head cut to each size's most frequent tokens
-    of ``train_completions`` (EOS and pad always kept, as distill keeps them), untrained.
+    of ``train_completions`` (EOS and pad always kept, as distill keeps them), untrained, as ``as_runner`` makes
+    it.
 
     Raises:
         ConfigError: a size larger than the vocabulary.
@@ -425,7 +457,8 @@ def _reduced_stock_drafters(cfg: Config, stock: str, tokenizer, train_completion
             reduce_for_training(model, size, train_completions, always=eos_token_ids(model, tokenizer))
         except ValueError as err:
             raise ConfigError(f"evaluate.compare_vocab_sizes: {err}") from err
-        reduced[reduced_head_name(stock, size)] = model.eval()
+        reduced[reduced_head_name(stock, size)] = as_runner(model.eval())
+        del model
     return reduced
 
 
