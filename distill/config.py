@@ -184,6 +184,10 @@ class DistillConfig:
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warmup"})
     weight_decay: float = field(default=0.0, metadata={
         "help": "AdamW's decoupled weight decay (none on biases and norms)"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute each decoder layer's activations in the backward pass instead of keeping them: activation "
+                "memory falls from one copy per layer to about one layer's, for about one more forward of compute "
+                "per step (longer sequences or larger batches on a small GPU)"})
     max_seq_len: int = field(default=512, metadata={
         "help": "prompt + answer tokens per example; longer ones are cut (the prompt from the left, the answer from "
                 "the right)"})

@@ -416,7 +416,7 @@ def _stages_section(report: dict[str, Any]) -> list[str]:
                     f"{name} (reused: {fig['reused']}, not trained again)" if fig.get("reused") else name)
             lines.append(f"| {name} | {_fmt(fig.get('wall_s'), '{:.1f}')} | "
                          f"{_fmt((fig.get('peak_rss_bytes') or 0) / 2**30, '{:.2f}')} |")
-    phases = report.get("seconds")
+    phases = report.get("phase_seconds")
     if phases:
         lines += ["", "Evaluate's phases (wall s): " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
                                                                   for k, v in phases.items()) + "."]

@@ -321,7 +321,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     })
     _add_notes(cfg, report, quantization, busy, gen_manifest)
     _add_distill_validation(report, distill_manifest)
-    report["seconds"] = laps.seconds  # where evaluate's time went (a drafter's own split: its "seconds")
+    report["phase_seconds"] = laps.seconds  # where evaluate's time went (each drafter's own split: its "seconds")
     report_path = _write_report(cfg, report, run_dir, distill_dir)
     run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
                  acceptance_rate=report.get("acceptance_rate"))

@@ -208,7 +208,7 @@ def train_drafter(
     run = _setup(drafter, target, examples, spec=spec, lr=d.lr, max_steps=d.max_steps, batch_size=d.batch_size,
                  grad_accum=d.grad_accum, max_seq_len=d.max_seq_len, warmup_steps=d.warmup_steps,
                  weight_decay=d.weight_decay, seed=d.seed, resume_from=resume_from, pad_token_id=pad_token_id,
-                 mixed_precision=d.mixed_precision)
+                 mixed_precision=d.mixed_precision, gradient_checkpointing=d.gradient_checkpointing)
     # every process checks (a refusal on the main one alone would leave the others waiting for it)
     check_checkpoint_space(run.accelerator.unwrap_model(run.drafter), output_dir, start_step=run.start_step,
                             max_steps=d.max_steps, checkpoint_every=d.checkpoint_every, keep=d.keep_checkpoints,
@@ -535,7 +535,8 @@ class _TrainingSetup:
 
 
 def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_accum, max_seq_len,
-           warmup_steps, weight_decay, seed, resume_from, pad_token_id, mixed_precision="no") -> _TrainingSetup:
+           warmup_steps, weight_decay, seed, resume_from, pad_token_id, mixed_precision="no",
+           gradient_checkpointing=False) -> _TrainingSetup:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_linear_schedule_with_warmup
@@ -557,6 +558,9 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
     if target is not None:
         _place_target(target, accelerator.device)
         target.eval()
+    if gradient_checkpointing:
+        # non-reentrant: gradients reach LoRA weights although the frozen embeddings' output needs none
+        drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     drafter.train()
 
     params = [p for p in drafter.parameters() if p.requires_grad]

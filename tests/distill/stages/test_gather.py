@@ -99,3 +99,22 @@ def test_a_failed_sweep_job_records_its_error(tmp_path):
     assert proc.returncode != 0
     rows, _ = collect(next((tmp_path / "out" / "multirun" / "evaluate").iterdir()))
     assert len(rows) == 1 and rows[0]["status"].startswith(f"failed: {tmp_path}/a is not a distill run folder")
+
+
+@pytest.mark.slow
+def test_sweep_through_the_submitit_launcher_is_gathered(tmp_path):
+    """The launcher path a SLURM sweep takes (hydra-submitit-launcher: each job pickled and run by submitit),
+    with its local executor (conf/hydra/launcher/local.yaml) standing in for sbatch."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
+    out = tmp_path / "outputs"
+    sweep = draftsmith_tiny("pipeline", "-m", "hydra/launcher=local", "experiment=tiny", "decode.draft_length=2,3",
+                            "logger=none", f"outputs={out}", cwd=tmp_path)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    sweep_dir = next(out.glob("multirun/pipeline/*"))
+    assert len(list(sweep_dir.glob("*/evaluate/COMPLETE"))) == 2
+    assert list(sweep_dir.glob(".submitit/*/*_result.pkl")), "the jobs did not run through submitit"
+    proc = draftsmith("gather", f"outputs={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader((Path(proc.stdout.strip().splitlines()[-1]).parent / "sweep.csv").open()))
+    assert sorted(r["decode.draft_length"] for r in rows) == ["2", "3"]
+    assert all(r["status"] == "finished" and float(r["speedup"]) > 0 for r in rows)

@@ -198,6 +198,24 @@ def test_lora_training_changes_only_adapters(target, examples, tmp_path):
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("make", ["lora", "full"])
+def test_gradient_checkpointing_trains_the_same_weights(target, examples, tmp_path, make):
+    """Recomputing activations in the backward changes memory, not the gradients: the same losses and weights."""
+    settings = loop_settings(loss="fkl", lr=1e-2, max_steps=3, batch_size=4)
+    drafters = {}
+    for checkpointing in (False, True):
+        drafter = _lora_cut(target, dropout=0.0) if make == "lora" else _sibling()
+        out = tmp_path / str(checkpointing)
+        train_drafter(drafter, target, examples, dataclasses.replace(settings, gradient_checkpointing=checkpointing),
+                      output_dir=out, progress=False)
+        drafters[checkpointing] = (drafter, _losses(out))
+    (plain, plain_losses), (recomputed, recomputed_losses) = drafters[False], drafters[True]
+    assert recomputed_losses == pytest.approx(plain_losses, rel=1e-5)
+    assert any(m.gradient_checkpointing for m in recomputed.modules() if hasattr(m, "gradient_checkpointing"))
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("loss", ["rkl", "ce", "tvd"])
 def test_other_losses_run(target, examples, tmp_path, loss):
     result = train_drafter(_sibling(), target, examples[:4], loop_settings(loss=loss, max_steps=1, batch_size=2),
