@@ -89,6 +89,13 @@ def target_answers(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     return answers
 
 
+def _part(batches: list[list[int]], part: tuple[int, int]) -> list[list[int]]:
+    """Batches i, i + n, ... of ``batches`` for ``part=(i, n)``: one process's share of a pass."""
+    if not 0 <= part[0] < part[1]:
+        raise ValueError(f"part must be (i, n) with 0 <= i < n, got {part}")
+    return batches[part[0]::part[1]]
+
+
 def _right_padded(sequences: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
@@ -117,23 +124,27 @@ def _answer_logits(model, prompts: list[list[int]], answers: list[list[int]], vo
 
 @torch.inference_mode()
 def drafter_predictions(drafter, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *,
-                        vocab_size: int | None = None, batch_tokens: int = 4096,
-                        progress: bool = True) -> list[tuple[list[int], list[float]]]:
+                        vocab_size: int | None = None, batch_tokens: int = 4096, part: tuple[int, int] = (0, 1),
+                        progress: bool = True) -> list[tuple[list[int], list[float]] | None]:
     """Per prompt, the drafter's argmax ``(n,)`` after prompt + ``answer[:t]`` and its softmax probability
     ``(n,)``, for each answer position t, over the first ``vocab_size`` logits (the vocabulary the decoder
     shares between the models; None = the drafter's).
 
+    ``part=(i, n)`` computes only batches i, i + n, ... of the same batching (one of n processes); the other
+    prompts' entries are None, and the n parts together equal the whole, entry for entry.
+
     Raises:
-        ValueError: a prompt with no tokens, or prompts and answers of different counts.
+        ValueError: a prompt with no tokens, prompts and answers of different counts, or a part outside
+            ``0 <= i < n``.
     """
     if len(prompts) != len(answers) or any(len(p) == 0 for p in prompts):
         raise ValueError("drafter_predictions needs one answer per prompt and prompts of at least one token")
     vocab = vocab_size or vocab_size_of(drafter)
     results: list = [None] * len(prompts)
     lengths = [len(p) + len(a) for p, a in zip(prompts, answers)]
-    batches = batches_by_length(lengths, batch_tokens, max_rows=64)
-    with tqdm(total=sum(len(a) for a in answers), desc="teacher-forced drafter", unit="tok",
-              disable=not progress) as bar:
+    batches = _part(batches_by_length(lengths, batch_tokens, max_rows=64), part)
+    with tqdm(total=sum(len(answers[i]) for rows in batches for i in rows), desc="teacher-forced drafter",
+              unit="tok", disable=not progress) as bar:
         for rows in batches:
             logits = _answer_logits(drafter, [list(prompts[i]) for i in rows], [list(answers[i]) for i in rows], vocab)
             for i, row_logits in zip(rows, logits):
@@ -146,13 +157,15 @@ def drafter_predictions(drafter, prompts: Sequence[Sequence[int]], answers: Sequ
 @torch.inference_mode()
 def sampling_betas(target, drafter, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *,
                    temperature: float, top_k: int = 0, top_p: float = 1.0, batch_tokens: int = 1024,
-                   progress: bool = True) -> list[list[float]]:
+                   part: tuple[int, int] = (0, 1), progress: bool = True) -> list[list[float] | None]:
     """Per prompt, ``beta_t = sum_x min(p_target(x), q_draft(x)) = 1 - TV`` ``(n,)`` at each answer position,
     both distributions processed as the decoder samples (``decode.sampling.process_logits``) over the
     common vocabulary (Leviathan et al. 2023, Sec. 3, Lemma 3.3).
 
+    ``part``: as in :func:`drafter_predictions`.
+
     Raises:
-        ValueError: temperature <= 0 (greedy needs no betas) or mismatched inputs.
+        ValueError: temperature <= 0 (greedy needs no betas), mismatched inputs or a bad part.
     """
     if temperature <= 0:
         raise ValueError("sampling_betas needs temperature > 0")
@@ -160,7 +173,8 @@ def sampling_betas(target, drafter, prompts: Sequence[Sequence[int]], answers: S
         raise ValueError("sampling_betas needs one answer per prompt")
     vocab = min(vocab_size_of(target), vocab_size_of(drafter))
     results: list = [None] * len(prompts)
-    batches = batches_by_length([len(p) + len(a) for p, a in zip(prompts, answers)], batch_tokens, max_rows=16)
+    batches = _part(batches_by_length([len(p) + len(a) for p, a in zip(prompts, answers)], batch_tokens,
+                                      max_rows=16), part)
     for rows in tqdm(batches, desc="teacher-forced betas", unit="batch", disable=not progress):
         batch_prompts, batch_answers = [list(prompts[i]) for i in rows], [list(answers[i]) for i in rows]
         target_logits = _answer_logits(target, batch_prompts, batch_answers, vocab)

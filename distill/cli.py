@@ -173,6 +173,13 @@ def _stage_in_all_processes(stage: str, share: Callable[[], tuple] | None) -> No
 
         run_generate(config, run_dir, config_yaml)
         return
+    if stage == "evaluate":
+        from distill.stages.evaluate import run_evaluate
+
+        report = run_evaluate(config, run_dir, config_yaml)
+        if report is not None:  # the main process: the report's path last, as in one process
+            print(report)
+        return
     from distill.stages.distill import run_distill
 
     run_distill(config, run_dir, config_yaml)
@@ -190,8 +197,9 @@ def _follow_main(stage: str) -> None:
         sys.exit(2)
 
 
-# The stages that run in a launcher's N processes: distill trains data-parallel, generate shares out its shards.
-PARALLEL_STAGES = ("generate", "distill")
+# The stages that run in a launcher's N processes: distill trains data-parallel, generate shares out its shards,
+# evaluate its batches of teacher-forced passes (the timed decoding stays on the main process).
+PARALLEL_STAGES = ("generate", "distill", "evaluate")
 
 # Hydra flags that do not run the stage (help, printing the config, completion) or run several jobs.
 _NOT_IN_PARALLEL = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
@@ -199,11 +207,11 @@ _NOT_IN_PARALLEL = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", 
 
 
 def _refuse_in_parallel(stage: str, flags: list[str]) -> None:
-    """Under a launcher's N processes (WORLD_SIZE > 1): only a plain ``generate`` or ``distill`` run."""
+    """Under a launcher's N processes (WORLD_SIZE > 1): only a plain ``generate``, ``distill`` or ``evaluate`` run."""
     why = None
     if stage not in PARALLEL_STAGES:
-        why = (f"only the generate and distill stages run in several processes; run `draftsmith {stage}` as one "
-               "process (without torchrun / accelerate launch)")
+        why = (f"only the generate, distill and evaluate stages run in several processes; run `draftsmith {stage}` "
+               "as one process (without torchrun / accelerate launch)")
     elif used := [f for f in flags if f.split("=", 1)[0] in _NOT_IN_PARALLEL]:
         why = f"{' '.join(used)} does not run one {stage} job: use it without torchrun / accelerate launch"
     if why:

@@ -1,4 +1,5 @@
-"""One ``draftsmith distill`` or ``generate`` run in N launched processes (``torchrun`` / ``accelerate launch``).
+"""One ``draftsmith distill``, ``generate`` or ``evaluate`` run in N launched processes (``torchrun`` /
+``accelerate launch``).
 
 A launcher starts the same command N times (``WORLD_SIZE=N``). Only the main process (rank 0) goes
 through Hydra: it alone picks (or, with ``distill.resume=auto``, continues) the run folder, takes the

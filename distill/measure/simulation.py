@@ -113,14 +113,17 @@ def _cached_answers(path: Path, count: int) -> list[list[int]] | None:
 
 def teacher_forced(target, drafter, prompts: Prompts, answers: list[list[int]], decode_cfg,
                    vocab: int) -> list[TeacherForced]:
-    """One drafter's teacher-forced pass over the target's answers (betas too when sampling)."""
-    prompt_ids = [ids for _, _, ids in prompts]
+    """One drafter's teacher-forced pass over the target's answers (betas too when sampling). Of N launched
+    processes each computes every N-th batch; all get the whole list."""
+    prompt_ids, part = [ids for _, _, ids in prompts], parallel.rank_and_size()
     if decode_cfg.temperature > 0:  # sampling needs the betas only
-        betas = sampling_betas(target, drafter, prompt_ids, answers, temperature=decode_cfg.temperature,
-                               top_k=decode_cfg.top_k, top_p=decode_cfg.top_p)
+        betas = parallel.merged_parts(sampling_betas(
+            target, drafter, prompt_ids, answers, temperature=decode_cfg.temperature, top_k=decode_cfg.top_k,
+            top_p=decode_cfg.top_p, part=part))
         predictions = [([], None)] * len(prompts)
     else:
-        predictions = drafter_predictions(drafter, prompt_ids, answers, vocab_size=vocab)
+        predictions = parallel.merged_parts(drafter_predictions(drafter, prompt_ids, answers, vocab_size=vocab,
+                                                                part=part))
         betas = [None] * len(prompts)
     return [TeacherForced(pid, category, ids, answer, tokens, probs, beta)
             for (pid, category, ids), answer, (tokens, probs), beta in zip(prompts, answers, predictions, betas)]

@@ -15,7 +15,7 @@ import functools
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from decode.acceptance import paired_tau_difference
 from decode.benchmark import benchmark, machine_busy, measure_cost_ratios, run_target_alone
 from decode.cpu_linear import use_onednn_linear
 from decode.quantization import drafter_for_decoding, resolve_quantization
+from distill import parallel
 from distill.config import Config
 from distill.data.generated import load_generated
 from distill.data.prompts import Prompt, encode_prompt, load_prompts
@@ -54,7 +55,7 @@ from distill.models.reduced_vocab import (
     reduce_vocabulary,
     reduced_head,
 )
-from distill.runs import StageRun, read_manifest, require_complete, resolve_input
+from distill.runs import StageRun, peak_rss_bytes, read_manifest, require_complete, resolve_input
 from distill.tracking import make_logger, run_name
 
 
@@ -134,34 +135,32 @@ def _as_distilled(cfg: Config, info: dict[str, Any]) -> Config:
     return dataclasses.replace(cfg, drafter=drafter)
 
 
-def _measure_drafter(cfg: Config, target, timed, prompts, answers, alone, settings: dict, vocab: int, runner,
-                     key: str, *, costs: dict[str, Any], hf_assisted: bool = False, check: bool = False,
+def _measure_drafter(cfg: Config, ev: "_Evaluation", alone, runner, key: str, *, costs: dict[str, Any],
+                     samples: dict[str, list], hf_assisted: bool = False, check: bool = False,
                      verify_costs: list[float] | None = None) -> tuple[dict[str, Any], Pairing]:
-    """One drafter as the decoder runs it (``runner``, named ``key`` in ``costs``): timed on ``timed``
-    (``decode.benchmark``), then its exact acceptance on every prompt's answer under ``simulated`` (and
-    ``simulation_check`` with ``check``); returns the figures and its per-prompt block totals (:class:`Pairing`,
-    for paired differences). The predicted speedups take c from ``costs`` (every drafter timed side by side,
-    :func:`decode.benchmark.measure_cost_ratios`) and ``verify_costs`` (the target's, from the first drafter's
-    run), so that between drafters only c differs, measured alike."""
+    """One drafter as the decoder runs it (``runner``, named ``key`` in ``costs`` and ``samples``): timed on
+    ``ev.timed`` (``decode.benchmark``), then its exact acceptance on every prompt's answer under ``simulated``
+    from its teacher-forced pass ``samples[key]`` (and ``simulation_check`` with ``check``); returns the figures
+    and its per-prompt block totals (:class:`Pairing`, for paired differences). The predicted speedups take c
+    from ``costs`` (every drafter timed side by side, :func:`decode.benchmark.measure_cost_ratios`) and
+    ``verify_costs`` (the target's, from the first drafter's run), so that between drafters only c differs,
+    measured alike."""
     start = time.perf_counter()
-    figures = benchmark(target, runner, timed, hf_assisted=hf_assisted, target_outputs=alone,
+    figures = benchmark(ev.target, runner, ev.timed, hf_assisted=hf_assisted, target_outputs=alone,
                         verify_costs=verify_costs, forward_costs=(costs["target_forward_ms"] / 1000,
-                                                                  costs["cost_ratios"][key]), **settings)
-    seconds = {"timed_decoding": time.perf_counter() - start}
+                                                                  costs["cost_ratios"][key]), **ev.settings)
+    seconds = {"timed_decoding": time.perf_counter() - start, "teacher_forced": ev.teacher_forced_seconds[key]}
     simulation = settings_of(cfg.decode, figures)
-    start = time.perf_counter()
-    samples = teacher_forced(target, runner, prompts, answers, cfg.decode, vocab)
-    seconds["teacher_forced"] = time.perf_counter() - start
     model_costs = {"cost_ratio": costs["cost_ratios"][key], "verify_costs": verify_costs or figures.get("verify_costs")}
-    figures["simulated"], totals = simulated_drafter(samples, simulation, model_costs, cfg.evaluate.seed)
+    figures["simulated"], totals = simulated_drafter(samples[key], simulation, model_costs, cfg.evaluate.seed)
     figures["simulated"]["cost_ratio"] = model_costs["cost_ratio"]  # side by side, as the timed run's
     figures["draft_length_choice"] = simulated_choice(figures["simulated"], figures.get("draft_length_choice"))
     if check:
         start = time.perf_counter()
-        figures["simulation_check"] = simulation_check(runner, figures, timed, simulation, vocab)
+        figures["simulation_check"] = simulation_check(runner, figures, ev.timed, simulation, ev.vocab)
         seconds["simulation_check"] = time.perf_counter() - start
     figures["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
-    return figures, pairing_of(samples, simulation, figures["simulated"], totals, model_costs)
+    return figures, pairing_of(samples[key], simulation, figures["simulated"], totals, model_costs)
 
 
 def _as_runner(model, quantization: str):
@@ -237,8 +236,13 @@ def _stock_key(report: dict[str, Any], pairings: dict[str, Pairing]) -> str | No
     return info.get("base_name") if info.get("base_name") in pairings else None
 
 
-def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
+def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | None:
     """Run stage 3 into ``run_dir``; returns the path of ``report.json``.
+
+    Of N launched processes (``torchrun``, ``accelerate launch``) each loads the models and computes every
+    N-th batch of the target's answers (when generate left none) and of each drafter's teacher-forced pass;
+    the main process alone then times the decoder, simulates and writes the run folder, and the others return
+    None (timings want the machine to themselves).
 
     Raises:
         IncompleteRunError: no finished distill (or generate) run to read.
@@ -253,91 +257,157 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     gen_dir = require_complete(cfg.inputs.generate, "generate") if cfg.inputs.generate else trained_on
     _, held_out, gen_manifest = load_generated(gen_dir)
     held_out = evaluation_prompts(cfg, held_out, gen_dir)  # a bad evaluate.prompts file fails here, before loading
-    run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)})
+    run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)}) \
+        if parallel.is_main() else None
 
     laps = _Laps()
+    ev = _load_evaluation(cfg, distill_dir, held_out, trained_on)
+    ev.eval_set = _evaluation_set(cfg, ev.prompts, distill_dir, gen_dir, trained_on)
+    laps("load_models")
+    print(f"evaluate: the target's answers to all {len(ev.prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}"
+          f"prompts (generate's, or answered now, batched), for the exact acceptance of every drafter")
+    ev.answers = answer_all(ev.target, ev.prompts, cfg.decode, eos=ev.eos, pad_id=ev.pad_id,
+                            batch_size=cfg.generate.batch_size, batch_tokens=cfg.generate.batch_tokens,
+                            seed=cfg.evaluate.seed, cache_dir=Path(cfg.outputs) / ".shards", look_in=(gen_dir,),
+                            target_key=answers_target_key(ev.target_res.fingerprint, cfg.target.dtype, ev.target),
+                            tokenizer=ev.tokenizer)
+    laps("target_answers")
+    samples = _teacher_forced_passes(cfg, ev)
+    laps("teacher_forced")
+    if run is None:
+        return None
+    report = _timed_and_simulated(cfg, ev, samples, laps)
+    report.update({
+        "target": {"name": cfg.target.name, "fingerprint": ev.target_res.fingerprint, "dtype": cfg.target.dtype},
+        "drafter": {**report["drafter"], "dtype": cfg.drafter.dtype, "path": str(distill_dir / DRAFTER_DIR),
+                    "parameters": ev.tuned_parameters},
+        "decode": {**asdict(cfg.decode), "drafter_quantization_used": ev.quantization},
+        "prompt_ids": [p[0] for p in ev.prompts],
+        "eval_prompts": ev.eval_set,  # held-out (the generate run's) or evaluate.prompts, with its training overlap
+        "distill_inputs": distill_manifest.get("inputs", {}),  # the generate runs it was trained on
+    })
+    _add_notes(cfg, report, ev.quantization, ev.busy, gen_manifest)
+    _add_distill_validation(report, distill_manifest)
+    report["phase_seconds"] = laps.seconds  # where evaluate's time went (each drafter's own split: its "seconds")
+    report["phase_peak_rss_gib"] = laps.peak_gib
+    report_path = _write_report(cfg, report, run_dir, distill_dir)
+    run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(ev.load_s, 2),
+                 speedup=report.get("speedup"), acceptance_rate=report.get("acceptance_rate"),
+                 processes=parallel.rank_and_size()[1])
+    return report_path
+
+
+@dataclass
+class _Evaluation:
+    """What evaluate measures with: the target, every drafter as the decoder runs it (``runners``: ``distilled``,
+    ``undistilled``, then the compared ones by name), the prompts ``(id, category, token ids)`` and the settings."""
+
+    target: Any
+    tokenizer: Any
+    target_res: Any
+    info: dict[str, Any]
+    runners: dict[str, Any]
+    prompts: list
+    timed: list
+    settings: dict[str, Any]
+    vocab: int
+    quantization: str
+    tuned_vocab_size: int | None
+    tuned_parameters: int
+    load_s: float
+    eos: list[int]
+    pad_id: int
+    busy: float | None = None
+    eval_set: dict[str, Any] = dataclasses.field(default_factory=dict)
+    answers: list[list[int]] = dataclasses.field(default_factory=list)
+    teacher_forced_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _load_evaluation(cfg: Config, distill_dir: Path, held_out: list[Prompt], trained_on: Path) -> _Evaluation:
+    """The target and every drafter, each drafter made its decoding self as it is loaded (:func:`_as_runner`),
+    the encoded prompts and the decoder settings."""
     target, tokenizer, target_res, tuned, info, load_s = _load_models(cfg, distill_dir)
     tuned_parameters = sum(p.numel() for p in tuned.parameters())
-
+    tuned_vocab = draft_vocabulary_of(tuned)
+    dec = cfg.decode
     eos = eos_token_ids(target, tokenizer)
     prompts = [(p.id, p.category, encode_prompt(tokenizer, p)) for p in held_out]
-    eval_set = _evaluation_set(cfg, prompts, distill_dir, gen_dir, trained_on)
-    dec = cfg.decode
-    decode_args = dict(max_new_tokens=dec.max_new_tokens, eos_token_ids=eos, temperature=dec.temperature,
-                       top_k=dec.top_k, top_p=dec.top_p, seed=cfg.evaluate.seed,
-                       stop_strings=list(dec.stop_strings), tokenizer=tokenizer)
-    settings = dict(draft_length=dec.draft_length, schedule=dec.schedule, max_draft_length=dec.max_draft_length,
-                    confidence_threshold=dec.confidence_threshold, target_engine=cfg.evaluate.target_engine,
-                    **decode_args)
-
-    tuned_vocab = draft_vocabulary_of(tuned)
-    tuned_vocab_size = None if tuned_vocab is None else int(tuned_vocab.numel())
-    train_completions = _training_completions(cfg, trained_on)
     quantization = resolve_quantization(dec.drafter_quantization, target.device)
     as_runner = functools.partial(_as_runner, quantization=quantization)
     runners = {"distilled": as_runner(tuned)}
     del tuned
-    runners.update(_reference_drafters(cfg, info, runners["distilled"], tokenizer, train_completions, as_runner))
-    draft_vocab = draft_vocabulary_of(runners["undistilled"]) if "undistilled" in runners else None
-    laps("load_models")
-    vocab = min(m.get_output_embeddings().out_features for m in (target, *runners.values()))
-    busy = machine_busy("evaluate")
+    runners.update(_reference_drafters(cfg, info, runners["distilled"], tokenizer,
+                                       _training_completions(cfg, trained_on), as_runner))
     use_onednn_linear(target)  # float32 on a CPU: few-token forwards through oneDNN (decode.cpu_linear)
-    timed = prompts[:cfg.evaluate.timed_prompts]
-    print(f"evaluate: the target's answers to all {len(prompts)} {'held-out ' if not cfg.evaluate.prompts else ''}"
-          f"prompts (generate's, or answered now, batched), for the exact acceptance of every drafter")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    answers = answer_all(target, prompts, dec, eos=eos, pad_id=pad_id, batch_size=cfg.generate.batch_size,
-                         batch_tokens=cfg.generate.batch_tokens, seed=cfg.evaluate.seed,
-                         cache_dir=Path(cfg.outputs) / ".shards", look_in=(gen_dir,),
-                         target_key=answers_target_key(target_res.fingerprint, cfg.target.dtype, target),
-                         tokenizer=tokenizer)
-    laps("target_answers")
-    print(f"evaluate: target alone on {len(timed)} of them, timed (evaluate.timed_prompts)")
-    alone = run_target_alone(target, timed, vocab_size=vocab, engine=cfg.evaluate.target_engine, **decode_args)
+    settings = dict(draft_length=dec.draft_length, schedule=dec.schedule, max_draft_length=dec.max_draft_length,
+                    confidence_threshold=dec.confidence_threshold, target_engine=cfg.evaluate.target_engine,
+                    **_decode_args(cfg, eos, tokenizer))
+    return _Evaluation(
+        target, tokenizer, target_res, info, runners, prompts, prompts[:cfg.evaluate.timed_prompts], settings,
+        vocab=min(m.get_output_embeddings().out_features for m in (target, *runners.values())),
+        quantization=quantization, tuned_vocab_size=None if tuned_vocab is None else int(tuned_vocab.numel()),
+        tuned_parameters=tuned_parameters, load_s=load_s, eos=eos,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0])
+
+
+def _decode_args(cfg: Config, eos: list[int], tokenizer) -> dict[str, Any]:
+    """What every decoder run (target alone, speculative, HF assisted) takes from ``decode.*``."""
+    dec = cfg.decode
+    return dict(max_new_tokens=dec.max_new_tokens, eos_token_ids=eos, temperature=dec.temperature, top_k=dec.top_k,
+                top_p=dec.top_p, seed=cfg.evaluate.seed, stop_strings=list(dec.stop_strings), tokenizer=tokenizer)
+
+
+def _teacher_forced_passes(cfg: Config, ev: _Evaluation) -> dict[str, list]:
+    """Each drafter's teacher-forced pass over the target's answers (``decode.acceptance``'s input), keyed as
+    ``ev.runners``; the seconds each took go to ``ev.teacher_forced_seconds``. Of N processes each computes
+    every N-th batch and all get the whole."""
+    samples = {}
+    for key, runner in ev.runners.items():
+        print(f"evaluate: {key} drafter, teacher-forced over the {sum(map(len, ev.answers))} answer tokens")
+        start = time.perf_counter()
+        samples[key] = teacher_forced(ev.target, runner, ev.prompts, ev.answers, cfg.decode, ev.vocab)
+        ev.teacher_forced_seconds[key] = time.perf_counter() - start
+    return samples
+
+
+def _timed_and_simulated(cfg: Config, ev: _Evaluation, samples: dict[str, list], laps: "_Laps") -> dict[str, Any]:
+    """The timed runs on ``ev.timed`` (target alone, c side by side, each drafter) and every drafter's
+    simulated figures: the report's body, the distilled drafter's figures at its top level."""
+    ev.busy = machine_busy("evaluate")
+    runners = ev.runners  # emptied as each drafter is done (memory)
+    print(f"evaluate: target alone on {len(ev.timed)} of them, timed (evaluate.timed_prompts)")
+    alone = run_target_alone(ev.target, ev.timed, vocab_size=ev.vocab, engine=cfg.evaluate.target_engine,
+                             **_decode_args(cfg, ev.eos, ev.tokenizer))
     laps("target_alone")
-    print(f"evaluate: c of the {len(runners)} drafters, timed side by side (5 rounds on {min(3, len(timed))} prompts)")
-    costs = measure_cost_ratios(target, runners, [ids for _, _, ids in timed[:3]])
+    print(f"evaluate: c of the {len(runners)} drafters, timed side by side (5 rounds on {min(3, len(ev.timed))} prompts)")
+    costs = measure_cost_ratios(ev.target, runners, [ids for _, _, ids in ev.timed[:3]])
     laps("cost_ratios")
-    measure = functools.partial(_measure_drafter, cfg, target, timed, prompts, answers, alone, settings, vocab,
-                                costs=costs)
-    print("evaluate: distilled drafter")
+    measure = functools.partial(_measure_drafter, cfg, ev, alone, costs=costs, samples=samples)
+    print("evaluate: distilled drafter, timed")
     report, tuned_pairing = measure(runners.pop("distilled"), "distilled", hf_assisted=cfg.evaluate.hf_assisted,
                                     check=True)
-    report["drafter"] = {**info, "draft_vocab_size": tuned_vocab_size}
+    report["drafter"] = {**ev.info, "draft_vocab_size": ev.tuned_vocab_size}  # which drafter is stock reads it
     report["side_by_side_costs"] = costs
     laps("distilled_drafter")
-    _measure_the_others(cfg, report, tuned_pairing, measure, runners, draft_vocab, prompts, answers)
+    draft_vocab = draft_vocabulary_of(runners["undistilled"]) if "undistilled" in runners else None
+    _measure_the_others(cfg, report, tuned_pairing, measure, runners, draft_vocab, ev.prompts, ev.answers)
     laps("other_drafters")
-
-    report.update({
-        "target": {"name": cfg.target.name, "fingerprint": target_res.fingerprint, "dtype": cfg.target.dtype},
-        "drafter": {**report["drafter"], "dtype": cfg.drafter.dtype, "path": str(distill_dir / DRAFTER_DIR),
-                    "parameters": tuned_parameters},
-        "decode": {**asdict(dec), "drafter_quantization_used": quantization},
-        "prompt_ids": [p[0] for p in prompts],
-        "eval_prompts": eval_set,  # held-out (the generate run's) or evaluate.prompts, with its training overlap
-        "distill_inputs": distill_manifest.get("inputs", {}),  # the generate runs it was trained on
-    })
-    _add_notes(cfg, report, quantization, busy, gen_manifest)
-    _add_distill_validation(report, distill_manifest)
-    report["phase_seconds"] = laps.seconds  # where evaluate's time went (each drafter's own split: its "seconds")
-    report_path = _write_report(cfg, report, run_dir, distill_dir)
-    run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(load_s, 2), speedup=report.get("speedup"),
-                 acceptance_rate=report.get("acceptance_rate"))
-    return report_path
+    return report
 
 
 class _Laps:
-    """Wall seconds of evaluate's phases in order: ``laps(name)`` closes the phase that ran since the last call."""
+    """Wall seconds of evaluate's phases in order: ``laps(name)`` closes the phase that ran since the last call
+    and notes the process's peak resident memory so far (``peak_gib``: which phase set the stage's peak)."""
 
     def __init__(self) -> None:
         self._phases: dict[str, float] = {}
+        self.peak_gib: dict[str, float] = {}
         self._last = time.perf_counter()
 
     def __call__(self, phase: str) -> None:
         now = time.perf_counter()
         self._phases[phase] = now - self._last
+        self.peak_gib[phase] = round(peak_rss_bytes() / 2**30, 2)
         self._last = now
 
     @property

@@ -1,6 +1,6 @@
 """Data-parallel training: ``train_drafter`` on 2 CPU processes (DDP over gloo), the real
-``draftsmith distill`` command under ``torchrun --nproc_per_node 2``, and ``draftsmith generate`` sharing its
-shards out over 2 and 3 processes.
+``draftsmith distill`` command under ``torchrun --nproc_per_node 2``, ``draftsmith generate`` sharing its
+shards out over 2 and 3 processes, and ``draftsmith evaluate`` its teacher-forced passes over 2.
 
 Two spawned processes each call :func:`distill.training.loop.train_drafter` on the same tiny random Qwen2
 target and drafter (same seeds, so the same weights). A single-process run with twice the batch
@@ -287,10 +287,67 @@ def test_distill_command_under_torchrun_resumes_unfinished_run(cli_ddp_run, tmp_
 
 
 def test_other_stages_refuse_several_processes(tmp_path):
-    proc = _draftsmith("evaluate", "experiment=tiny", f"outputs={tmp_path}/outputs", cwd=tmp_path, nproc=WORLD_SIZE)
+    proc = _draftsmith("export", "experiment=tiny", f"outputs={tmp_path}/outputs", cwd=tmp_path, nproc=WORLD_SIZE)
     assert proc.returncode != 0
-    assert "only the generate and distill stages run in several processes" in proc.stderr
+    assert "only the generate, distill and evaluate stages run in several processes" in proc.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# `torchrun --nproc_per_node 2 -m distill.cli evaluate ...`: the teacher-forced passes shared out, one report
+
+EVAL_PROMPTS = 10  # byte-level prompts of a few hundred tokens: several teacher-forced batches of 4,096 tokens
+
+
+@pytest.fixture(scope="module")
+def evaluate_one_and_two(tmp_path_factory):
+    """One tiny generate + distill run, evaluated in 1 and in 2 processes: ``{nproc: (report, manifest)}``."""
+    from distill.runs import read_manifest
+
+    root = tmp_path_factory.mktemp("evaluate_ddp")
+    outputs = root / "outputs"
+    for stage in ("generate", "distill"):
+        proc = _draftsmith(stage, "experiment=tiny", f"evaluate.num_prompts={EVAL_PROMPTS}", "distill.max_steps=2",
+                           f"outputs={outputs}", cwd=root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = _distill_runs(outputs)
+    reports = {}
+    for nproc in (1, WORLD_SIZE):
+        proc = _draftsmith("evaluate", "experiment=tiny", f"evaluate.num_prompts={EVAL_PROMPTS}", f"inputs.distill={run}",
+                           "evaluate.hf_assisted=false", f"outputs={root}/out{nproc}", cwd=root, nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = Path(proc.stdout.strip().splitlines()[-1])
+        assert report.name == "report.json"
+        assert [p.parent for p in (root / f"out{nproc}").glob("evaluate/*/report.json")] == [report.parent]
+        reports[nproc] = (json.loads(report.read_text()), read_manifest(report.parent))
+    return outputs, reports
+
+
+def _simulated(section: dict) -> dict:
+    """The figures of a ``simulated`` section that do not depend on timings (tau, acceptance, their intervals)."""
+    keys = ("num_prompts", "num_tokens", "acceptance_rate", "mean_accepted_tokens")
+    per_k = {k: (v["acceptance_rate"], v["mean_accepted_tokens"]) for k, v in section["per_k"].items()}
+    return {**{k: section[k] for k in keys}, "per_k": per_k, "ci95": {k: section["ci95"][k] for k in keys[2:]}}
+
+
+def test_evaluate_in_two_processes_reports_the_single_process_acceptance(evaluate_one_and_two):
+    from distill.data.generated import load_generated
+    from distill.data.prompts import encode_prompt
+    from distill.models.tiny import tiny_tokenizer
+    from decode.teacher_forcing import batches_by_length
+
+    outputs, reports = evaluate_one_and_two
+    (one, _), (two, manifest) = reports[1], reports[WORLD_SIZE]
+    assert manifest["processes"] == WORLD_SIZE and reports[1][1]["processes"] == 1
+    assert _simulated(two["simulated"]) == _simulated(one["simulated"])
+    assert _simulated(two["baseline_drafter"]["simulated"]) == _simulated(one["baseline_drafter"]["simulated"])
+    assert two["paired_difference"] == one["paired_difference"]
+    assert two["simulated"]["num_prompts"] == EVAL_PROMPTS
+    # both processes had batches to pass: the split was real
+    (gen,) = [p for p in (outputs / "generate").iterdir() if p.is_dir()]
+    _, held_out, _ = load_generated(gen)
+    lengths = [len(encode_prompt(tiny_tokenizer(), p)) + 24 for p in held_out[:EVAL_PROMPTS]]
+    assert len(batches_by_length(lengths, 4096, max_rows=64)) >= WORLD_SIZE
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# What the CPU test suite cannot run, checked in a few minutes on a GPU node (tiny random models, no downloads):
+# distill over NCCL in N processes, QLoRA on a bitsandbytes 4-bit base, evaluate's teacher-forced passes in N
+# processes, greedy speculative output equal to the target's on the GPU.
+#
+#   bash scripts/gpu_check.sh              # N = every visible GPU (at least 1)
+#   NPROC=2 bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh --cpu        # the same steps on 2 CPU processes over gloo, without QLoRA:
+#                                          # checks the script itself on a machine without a GPU
+#
+# Writes under ${OUT:-/tmp/draftsmith_gpu_check}; the last line says what passed. Exits non-zero at the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/draftsmith_gpu_check}
+export HF_HUB_OFFLINE=1 WANDB_MODE=offline PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+CPU=0
+[[ "${1:-}" == "--cpu" ]] && CPU=1
+if [[ $CPU == 1 ]]; then
+  export ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1
+  NPROC=${NPROC:-2}
+else
+  NPROC=${NPROC:-$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
+  python -c 'import torch; assert torch.cuda.is_available(), "no CUDA device: run with --cpu to check the script"
+print("torch", torch.__version__, "CUDA", torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
+fi
+rm -rf "$OUT"
+launch() { python -m torch.distributed.run --nproc_per_node "$NPROC" --master_addr 127.0.0.1 --master_port 29531 -m distill.cli "$@"; }
+passed=()
+
+echo "== generate (tiny, one process)"
+python -m distill.cli generate experiment=tiny evaluate.num_prompts=10 "outputs=$OUT" >/dev/null
+passed+=(generate)
+
+echo "== distill in $NPROC processes ($([[ $CPU == 1 ]] && echo gloo || echo NCCL))"
+launch distill experiment=tiny distill.max_steps=4 "outputs=$OUT" >/dev/null
+run=$(ls -d "$OUT"/distill/*/ | tail -1)
+test -f "$run/COMPLETE"
+python - "$run" "$NPROC" <<'PY'
+import json, sys
+from pathlib import Path
+state = json.loads(next(Path(sys.argv[1], "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())
+assert state["data"]["num_processes"] == int(sys.argv[2]), state["data"]
+PY
+passed+=("distill x$NPROC")
+
+if [[ $CPU == 0 ]]; then
+  echo "== distill with QLoRA (4-bit base, one process)"
+  python -m distill.cli distill experiment=tiny distill.method=qlora distill.max_steps=2 distill.resume=never \
+    "outputs=$OUT/qlora" "inputs.generate=$(ls -d "$OUT"/generate/*/ | tail -1)" >/dev/null
+  passed+=(qlora)
+fi
+
+echo "== evaluate in $NPROC processes"
+report=$(launch evaluate experiment=tiny evaluate.num_prompts=10 "inputs.distill=$run" "outputs=$OUT" | tail -1)
+python - "$report" "$NPROC" <<'PY'
+import json, sys
+from pathlib import Path
+report = json.loads(Path(sys.argv[1]).read_text())
+manifest = json.loads((Path(sys.argv[1]).parent / "manifest.json").read_text())
+assert manifest["processes"] == int(sys.argv[2]), manifest.get("processes")
+assert report["simulated"]["num_prompts"] == 10, report["simulated"]["num_prompts"]
+assert report["outputs_match_target"] is True, "greedy speculative output differs from the target's (float32)"
+print("evaluate:", report["engine"], "| simulated tau", round(report["simulated"]["mean_accepted_tokens"], 3))
+PY
+passed+=("evaluate x$NPROC")
+echo "gpu_check: passed: ${passed[*]}"
