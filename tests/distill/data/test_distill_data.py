@@ -22,7 +22,7 @@ from distill.training.losses import (
     top_k_distillation_loss,
     top_k_log_probs,
 )
-from tests.distill.stages.test_pipeline import draftsmith
+from tests.distill.stages.test_pipeline import draftsmith_tiny
 
 VOCAB = 300
 KINDS = ("fkl", "rkl", "jsd", "tvd")
@@ -283,7 +283,7 @@ def test_distill_data_settings_are_checked(overrides, message):
 def test_qlora_without_cuda_says_what_to_use(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: QLoRA is allowed here")
-    proc = draftsmith("distill", "experiment=tiny", "distill.method=qlora", "drafter.init=sibling",
+    proc = draftsmith_tiny("distill", "experiment=tiny", "distill.method=qlora", "drafter.init=sibling",
                       "drafter.num_layers=null", f"outputs={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2
     assert "needs a CUDA GPU" in proc.stderr and "distill.method=lora" in proc.stderr
@@ -291,10 +291,10 @@ def test_qlora_without_cuda_says_what_to_use(tmp_path):
 
 def test_stored_log_probs_through_the_cli(tmp_path):
     """generate.store_top_k + distill.target_source=stored: a tiny pipeline, and the refusal without them."""
-    proc = draftsmith("pipeline", "experiment=tiny", "distill.target_source=stored", f"outputs={tmp_path}/a",
+    proc = draftsmith_tiny("pipeline", "experiment=tiny", "distill.target_source=stored", f"outputs={tmp_path}/a",
                       cwd=tmp_path)
     assert proc.returncode == 2 and "generate.store_top_k=20" in proc.stderr
-    proc = draftsmith("pipeline", "experiment=tiny", "generate.store_top_k=8", "distill.target_source=stored",
+    proc = draftsmith_tiny("pipeline", "experiment=tiny", "generate.store_top_k=8", "distill.target_source=stored",
                       f"outputs={tmp_path}/b", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(open(proc.stdout.strip().splitlines()[-1]).read())
@@ -379,12 +379,12 @@ def test_stored_log_probs_and_a_reduced_vocabulary_train_with_finite_gradients(t
 
 
 def test_pipeline_preflight_checks_the_new_sizes_before_generating(tmp_path):
-    proc = draftsmith("pipeline", "experiment=tiny", "drafter.draft_vocab_size=100000", f"outputs={tmp_path}",
+    proc = draftsmith_tiny("pipeline", "experiment=tiny", "drafter.draft_vocab_size=100000", f"outputs={tmp_path}",
                       cwd=tmp_path)
     assert proc.returncode == 2 and "drafter.draft_vocab_size=100000" in proc.stderr and "[1/4]" not in proc.stdout
-    proc = draftsmith("pipeline", "experiment=tiny", "generate.store_top_k=600", f"outputs={tmp_path}", cwd=tmp_path)
+    proc = draftsmith_tiny("pipeline", "experiment=tiny", "generate.store_top_k=600", f"outputs={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2 and "use at most" in proc.stderr and "[1/4]" not in proc.stdout
-    proc = draftsmith("generate", "experiment=tiny", "generate.store_top_k=600", f"outputs={tmp_path}", cwd=tmp_path)
+    proc = draftsmith_tiny("generate", "experiment=tiny", "generate.store_top_k=600", f"outputs={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2 and "use at most" in proc.stderr
 
 

@@ -74,6 +74,7 @@ def test_other_architectures_are_refused(exported, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
+@pytest.mark.extra
 @pytest.mark.real
 @pytest.mark.slow
 def test_real_tokenizer_and_vocabulary_round_trip_through_gguf(qwen05, tmp_path):

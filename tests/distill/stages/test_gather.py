@@ -101,6 +101,7 @@ def test_a_failed_sweep_job_records_its_error(tmp_path):
     assert len(rows) == 1 and rows[0]["status"].startswith(f"failed: {tmp_path}/a is not a distill run folder")
 
 
+@pytest.mark.extra
 @pytest.mark.slow
 def test_sweep_through_the_submitit_launcher_is_gathered(tmp_path):
     """The launcher path a SLURM sweep takes (hydra-submitit-launcher: each job pickled and run by submitit),

@@ -436,6 +436,7 @@ def test_drafter_for_another_target_is_refused_at_evaluate_and_export(tiny_run, 
         assert "was tuned for target 'tiny-target'" in proc.stderr and "target.name=tiny-target" in proc.stderr
 
 
+@pytest.mark.extra
 def test_layer_choice_script_scores_candidate_layers(tmp_path):
     out = tmp_path / "outputs"
     proc = draftsmith_tiny("generate", "experiment=tiny", "generate.store_top_k=8", f"outputs={out}", cwd=tmp_path)

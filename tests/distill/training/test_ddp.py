@@ -265,6 +265,7 @@ def test_distill_command_under_torchrun_makes_one_complete_run(cli_ddp_run):
     assert json.loads(report.read_text())["outputs_match_target"] is True
 
 
+@pytest.mark.extra
 def test_distill_command_under_torchrun_resumes_unfinished_run(cli_ddp_run, tmp_path):
     from distill.runs import COMPLETE, read_manifest
 
@@ -390,6 +391,7 @@ def test_generate_in_two_processes_writes_the_single_process_dataset(generate_on
     assert manifest1["processes"] == 1 and manifest2["processes"] == WORLD_SIZE
 
 
+@pytest.mark.extra
 def test_generate_resumes_with_another_number_of_processes(generate_one_and_two, tmp_path):
     root, runs = generate_one_and_two
     out = tmp_path / "outputs"

@@ -198,7 +198,7 @@ def test_killed_generate_resumes_to_the_same_dataset(tmp_path):
     out = tmp_path / "outputs"
     args = ["generate", "experiment=tiny", "generate.num_prompts=120", "generate.shard_size=4",
             "generate.batch_size=4", "logger=none"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **TINY_THREADS}
     killed = subprocess.Popen([sys.executable, "-m", "distill.cli", *args, f"outputs={out}"], cwd=tmp_path, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -209,10 +209,10 @@ def test_killed_generate_resumes_to_the_same_dataset(tmp_path):
     done = len(list(out.glob(".shards/*/shard-*")))
     assert 3 <= done < 30, "the kill should land mid-run"
 
-    resumed = draftsmith(*args, f"outputs={out}", cwd=tmp_path)
+    resumed = draftsmith_tiny(*args, f"outputs={out}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming" in resumed.stdout
-    fresh = draftsmith(*args, f"outputs={tmp_path / 'fresh'}", cwd=tmp_path)
+    fresh = draftsmith_tiny(*args, f"outputs={tmp_path / 'fresh'}", cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
 
     def rows(root):
@@ -292,6 +292,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, cap
     assert latest_checkpoint(run / "checkpoints") is None
 
 
+@pytest.mark.extra
 def test_two_generate_runs_into_one_outputs_take_turns_and_agree(tmp_path):
     """A sweep or a retry can start the same generate twice at once: the second waits for the shard cache's
     lock and reuses the shards instead of dying on a rename of a folder the first wrote."""
@@ -300,7 +301,7 @@ def test_two_generate_runs_into_one_outputs_take_turns_and_agree(tmp_path):
     out = tmp_path / "outputs"
     args = ["generate", "experiment=tiny", "generate.num_prompts=40", "generate.shard_size=4", "logger=none",
             f"outputs={out}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **TINY_THREADS}
     procs = [subprocess.Popen([sys.executable, "-m", "distill.cli", *args, f"hydra.run.dir={out}/generate/run{i}"],
                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
