@@ -85,15 +85,18 @@ class DrafterConfig:
                    f"must be a non-empty list of layer indices >= 0, e.g. [0,1,2,21,22,23]; got {keep}")
             _check(keep == sorted(set(keep)), "drafter.layers",
                    f"must be ascending without repeats (layers run in the base model's order); got {keep}")
-            self.layers = keep
-            self.num_layers = len(keep)  # what reports and labels show
         if self.init == "layers":
-            _check(self.num_layers is not None and self.num_layers >= 1, "drafter.num_layers",
-                   "must be >= 1 when drafter.init=layers")
+            _check(self.layers is not None or (self.num_layers is not None and self.num_layers >= 1),
+                   "drafter.num_layers", "must be >= 1 when drafter.init=layers (or give drafter.layers)")
         else:
             _check(self.num_layers is None, "drafter.num_layers",
                    "applies to drafter.init=layers only: add drafter.num_layers=null, or drafter.init=layers")
         _check(self.dtype in DTYPES, "drafter.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+
+    def kept_layers(self) -> int | None:
+        """How many decoder layers a depth-pruned drafter keeps: ``len(layers)`` when given (they override
+        ``num_layers``), else ``num_layers``; None for a whole sibling."""
+        return len(self.layers) if self.layers is not None else self.num_layers
 
 
 @dataclass
@@ -329,10 +332,10 @@ class EvaluateConfig:
         _check(self.timed_prompts >= 1, "evaluate.timed_prompts", "must be >= 1 (at most num_prompts are timed)")
         _check(all(isinstance(n, str) and n.strip() for n in self.compare_drafters), "evaluate.compare_drafters",
                f"must be a list of model names or folders, e.g. [qwen2.5-coder-0.5b-instruct]; got {self.compare_drafters}")
-        self.compare_drafters = list(self.compare_drafters)
         _check(all(isinstance(n, int) and n >= 1 for n in self.compare_vocab_sizes), "evaluate.compare_vocab_sizes",
                f"must be a list of vocabulary sizes >= 1, e.g. [32000,64000]; got {self.compare_vocab_sizes}")
-        self.compare_vocab_sizes = sorted(set(self.compare_vocab_sizes))
+        _check(len(set(self.compare_vocab_sizes)) == len(self.compare_vocab_sizes), "evaluate.compare_vocab_sizes",
+               f"names a size twice: {self.compare_vocab_sizes}")
         _check(len(set(self.compare_drafters)) == len(self.compare_drafters), "evaluate.compare_drafters",
                f"names a drafter twice: {self.compare_drafters}")
         _check(self.prompts is None or bool(str(self.prompts).strip()), "evaluate.prompts",

@@ -67,7 +67,7 @@ def check_layers_exist(cfg: Config) -> None:
     if cfg.drafter.layers is not None and cfg.drafter.layers[-1] >= total:
         raise ConfigError(f"drafter.layers={cfg.drafter.layers}: {cfg.drafter.name} has decoder layers 0..{total - 1}; "
                           "drop the indices above that")
-    if cfg.drafter.num_layers is not None and cfg.drafter.num_layers > total:
+    if cfg.drafter.layers is None and cfg.drafter.num_layers is not None and cfg.drafter.num_layers > total:
         raise ConfigError(f"drafter.num_layers={cfg.drafter.num_layers}: {cfg.drafter.name} has {total} decoder "
                           f"layers; use at most {total}")
 
@@ -109,7 +109,7 @@ def drafter_info(cfg: Config, target: ResolvedModel, base: ResolvedModel) -> dic
     """What a tuned drafter must carry so that evaluate and export can check it belongs to the target."""
     return {"target_name": cfg.target.name, "target_fingerprint": target.fingerprint,
             "base_name": cfg.drafter.name, "base_fingerprint": base.fingerprint, "init": cfg.drafter.init,
-            "num_layers": cfg.drafter.num_layers, "layer_selection": cfg.drafter.layer_selection,
+            "num_layers": cfg.drafter.kept_layers(), "layer_selection": cfg.drafter.layer_selection,
             "layers": cfg.drafter.layers,
             "method": cfg.distill.method, "loss": cfg.distill.loss,
             "target_source": cfg.distill.target_source, "on_policy_fraction": cfg.distill.on_policy_fraction,

@@ -248,7 +248,7 @@ def test_num_layers_without_layers_init_says_how_to_drop_it():
 
 def test_explicit_layers_set_num_layers_and_are_checked():
     cfg = _compose("drafter=pruned", "drafter.layers=[0,1,2,22,23]")
-    assert cfg.drafter.layers == [0, 1, 2, 22, 23] and cfg.drafter.num_layers == 5
+    assert cfg.drafter.layers == [0, 1, 2, 22, 23] and cfg.drafter.kept_layers() == 5  # layers override num_layers
     with pytest.raises(ConfigError, match=r"drafter\.layers.*drafter\.init=layers"):
         _compose("drafter.layers=[0,1]")
     with pytest.raises(ConfigError, match=r"drafter\.layers.*ascending"):
