@@ -71,6 +71,16 @@ def resolve_auto(config):
     return dataclasses.replace(config, target=resolved(config.target), drafter=resolved(config.drafter))
 
 
+def process_device():
+    """Where this process runs the models of generate and evaluate: ``cuda:<LOCAL_RANK>`` where CUDA is
+    available (one GPU per process a launcher starts; ``cuda:0`` without a launcher), else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def release_memory() -> None:
     """Give freed model memory back to the OS (a garbage collection, then glibc's ``malloc_trim``; nothing more
     where the C library is not glibc), so that the next models loaded do not stack on freed pages."""

@@ -23,8 +23,12 @@ else
   python -c 'import torch; assert torch.cuda.is_available(), "no CUDA device: run with --cpu to check the script"
 print("torch", torch.__version__, "CUDA", torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
 fi
-rm -rf "$OUT"
-launch() { python -m torch.distributed.run --nproc_per_node "$NPROC" --master_addr 127.0.0.1 --master_port 29531 -m distill.cli "$@"; }
+if [[ -e "$OUT" && ! -e "$OUT/.gpu_check" ]]; then
+  echo "gpu_check: $OUT exists and is not an earlier check's folder: set OUT=<a new folder>" >&2; exit 2
+fi
+rm -rf "$OUT" && mkdir -p "$OUT" && touch "$OUT/.gpu_check"
+PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+launch() { python -m torch.distributed.run --nproc_per_node "$NPROC" --master_addr 127.0.0.1 --master_port "$PORT" -m distill.cli "$@"; }
 passed=()
 
 echo "== generate (tiny, one process)"
@@ -59,6 +63,7 @@ report = json.loads(Path(sys.argv[1]).read_text())
 manifest = json.loads((Path(sys.argv[1]).parent / "manifest.json").read_text())
 assert manifest["processes"] == int(sys.argv[2]), manifest.get("processes")
 assert report["simulated"]["num_prompts"] == 10, report["simulated"]["num_prompts"]
+# float32 greedy: lossless on any device (TF32 matmuls are off by default in torch)
 assert report["outputs_match_target"] is True, "greedy speculative output differs from the target's (float32)"
 print("evaluate:", report["engine"], "| simulated tau", round(report["simulated"]["mean_accepted_tokens"], 3))
 PY

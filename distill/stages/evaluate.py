@@ -32,7 +32,7 @@ from distill.data.prompts import Prompt, encode_prompt, load_prompts
 from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, initial_drafter
 from distill.errors import ConfigError, DraftsmithError
 from distill.files import write_json_atomic
-from distill.hardware import hardware, release_memory
+from distill.hardware import hardware, process_device, release_memory
 from distill.measure.report import REPORT_JSON, REPORT_MD, ratio_or_none, write_report_markdown, write_report_plots
 from distill.measure.simulation import (
     Pairing,
@@ -168,7 +168,7 @@ def _as_runner(model, quantization: str):
     runner afterwards), without the full-vocabulary head a reduced one keeps for saving."""
     # in place as soon as each drafter is loaded, so that one float copy exists at a time: 0.5B drafters side by
     # side take about 1.1 GB each as int8 instead of 2.5 GB in float32 (an AVX2 host's dtype)
-    runner = drafter_for_decoding(model, quantization, inplace=True)
+    runner = drafter_for_decoding(model.to(process_device()), quantization, inplace=True)
     head = reduced_head(runner)
     if head is not None:
         head.full_weight = None
@@ -274,8 +274,14 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
     laps("target_answers")
     samples = _teacher_forced_passes(cfg, ev)
     laps("teacher_forced")
+    processes = parallel.rank_and_size()[1]
+    # the last collective: the other processes end now instead of waiting out the timed decoding in a barrier,
+    # which the process group's timeout (30 min on gloo, 10 on NCCL) would break
+    parallel.finish()
     if run is None:
         return None
+    if processes > 1:
+        _take_the_machine()
     report = _timed_and_simulated(cfg, ev, samples, laps)
     report.update({
         "target": {"name": cfg.target.name, "fingerprint": ev.target_res.fingerprint, "dtype": cfg.target.dtype},
@@ -293,8 +299,17 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
     report_path = _write_report(cfg, report, run_dir, distill_dir)
     run.complete(artifacts=(REPORT_JSON,), report=str(report_path), model_load_s=round(ev.load_s, 2),
                  speedup=report.get("speedup"), acceptance_rate=report.get("acceptance_rate"),
-                 processes=parallel.rank_and_size()[1])
+                 processes=processes)
     return report_path
+
+
+def _take_the_machine() -> None:
+    """The main process of several, alone from here: every CPU thread for the timed decoding (a launcher gives
+    each process one), after the other processes have had a moment to exit (their teardown would count as a
+    busy machine)."""
+    time.sleep(2.0)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
 
 
 @dataclass
@@ -424,6 +439,7 @@ def _load_models(cfg: Config, distill_dir: Path):
     """
     t0 = time.perf_counter()
     target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
+    target = target.to(process_device())
     tuned, info = load_tuned_drafter(distill_dir, cfg.drafter.dtype)
     if info["target_fingerprint"] != target_res.fingerprint:
         raise DraftsmithError(
