@@ -60,13 +60,11 @@ def target_answers(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if not 0 <= part[0] < part[1]:
-        raise ValueError(f"part must be (i, n) with 0 <= i < n, got {part}")
     sampling = (dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0
                 else dict(do_sample=False, temperature=None, top_k=None, top_p=None))
     eos, answers = set(eos_token_ids), [None] * len(prompts)
     batches = batches_by_length([len(p) for p in prompts], max_tokens=batch_tokens or 1 << 62, max_rows=batch_size)
-    mine = [(number, rows) for number, rows in enumerate(batches) if number % part[1] == part[0]]
+    mine = _part(list(enumerate(batches)), part)  # numbered: a sampled batch's seed is its number
     bar = tqdm(total=sum(len(rows) for _, rows in mine), desc="target answers", unit="prompt", disable=not progress)
     for number, rows in mine:
         width = max(len(prompts[i]) for i in rows)
@@ -89,8 +87,12 @@ def target_answers(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     return answers
 
 
-def _part(batches: list[list[int]], part: tuple[int, int]) -> list[list[int]]:
-    """Batches i, i + n, ... of ``batches`` for ``part=(i, n)``: one process's share of a pass."""
+def _part(batches: list, part: tuple[int, int]) -> list:
+    """Batches i, i + n, ... of ``batches`` for ``part=(i, n)``: one process's share of a pass.
+
+    Raises:
+        ValueError: a part outside ``0 <= i < n``.
+    """
     if not 0 <= part[0] < part[1]:
         raise ValueError(f"part must be (i, n) with 0 <= i < n, got {part}")
     return batches[part[0]::part[1]]

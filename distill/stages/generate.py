@@ -35,8 +35,8 @@ from distill.config import Config
 from distill.data.generated import DATASET_DIR, EVAL_PROMPTS, select_prompts
 from distill.data.prompts import Prompt, encode_prompt
 from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
-from distill.hardware import process_device
 from distill.files import atomic_dir, exclusive, write_json_atomic, write_text_atomic
+from distill.hardware import process_device
 from distill.measure.simulation import answer_all, answers_file, answers_key, answers_target_key
 from distill.models.loading import eos_token_ids, load_model
 from distill.runs import StageRun
@@ -91,8 +91,8 @@ def answer_batch(model, input_ids: list[list[int]], *, pad_id: int, eos_ids: lis
         mask[row, width - len(ids):] = 1
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=batch.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-                         eos_token_id=eos_ids, pad_token_id=pad_id, return_dict_in_generate=True,
+    out = model.generate(input_ids=batch.to(model.device), attention_mask=mask.to(model.device),
+                         max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id, return_dict_in_generate=True,
                          output_logits=store_top_k > 0, **sampling)
     top_ids = top_logprobs = None
     if store_top_k > 0:

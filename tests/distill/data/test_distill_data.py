@@ -284,7 +284,7 @@ def test_qlora_without_cuda_says_what_to_use(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: QLoRA is allowed here")
     proc = draftsmith_tiny("distill", "experiment=tiny", "distill.method=qlora", "drafter.init=sibling",
-                      "drafter.num_layers=null", f"outputs={tmp_path}", cwd=tmp_path)
+                           "drafter.num_layers=null", f"outputs={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2
     assert "needs a CUDA GPU" in proc.stderr and "distill.method=lora" in proc.stderr
 
