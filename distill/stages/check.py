@@ -170,7 +170,8 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     c = cfg.check
     check_layers_exist(cfg)
     # the prompts come first (the target's tokenizer is enough): too few is refused before any model loads
-    _, held_out = split_prompts(load_prompts(cfg.data.source, cfg.data.path), num_train=0,
+    prompts = load_prompts(cfg.data.source, cfg.data.path, sharegpt_turns=cfg.data.mixed_sharegpt)
+    _, held_out = split_prompts(prompts, num_train=0,
                                 num_eval=c.num_prompts, seed=cfg.data.seed, keep=prompt_length_limit(cfg),
                                 counts="check.num_prompts")
     run = StageRun.start("check", run_dir, config_yaml, inputs={})

@@ -69,6 +69,12 @@ def test_mixed_interleaves(humaneval, mtbench):
     assert [p.id for p in load_prompts("mixed", limit=3)] == [p.id for p in mixed[:3]]
 
 
+def test_mixed_takes_more_sharegpt_turns_when_asked():
+    larger = load_prompts("mixed", sharegpt_turns=MIXED_SHAREGPT + 300)
+    assert len(larger) == 164 + 80 + MIXED_SHAREGPT + 300
+    assert sum(p.source == "sharegpt" for p in larger) == MIXED_SHAREGPT + 300
+
+
 def test_sharegpt_streams_with_limit():
     start = time.perf_counter()
     chats = load_prompts("sharegpt", limit=200)
