@@ -5,6 +5,8 @@
 * :func:`drafter_predictions`: one forward of the drafter over prompt + answer per prompt, in ragged
   right-padded batches of similar length with an attention mask; the LM head runs only on the answer
   positions.
+* :func:`shared_body_predictions`: the same for drafters that differ only in their LM head (the stock
+  drafter and its reduced-vocabulary heads): the decoder layers run once, each head on their output.
 * :func:`sampling_betas`: the same pass through both models, ``beta_t = 1 - TV`` per answer position.
 
 Pass the drafter as the decoder runs it (same dtype, int8 quantization, reduced vocabulary head): the
@@ -117,11 +119,96 @@ def _answer_logits(model, prompts: list[list[int]], answers: list[list[int]], vo
     if not any(answers):
         return [torch.zeros(0, vocab) for _ in prompts]
     ids, mask = _right_padded([list(p) + list(a) for p, a in zip(prompts, answers)], model.device)
+    keep = _answer_positions(prompts, answers, mask)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep).logits  # (N, V)
+    return list(torch.split(logits[:, :vocab].float(), [len(a) for a in answers]))
+
+
+def _answer_positions(prompts: list[list[int]], answers: list[list[int]], mask: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq)`` bool: the positions whose next-token prediction is an answer token."""
     keep = torch.zeros_like(mask, dtype=torch.bool)
     for r, (p, a) in enumerate(zip(prompts, answers)):
         keep[r, len(p) - 1:len(p) - 1 + len(a)] = True
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep).logits  # (N, V)
-    return list(torch.split(logits[:, :vocab].float(), [len(a) for a in answers]))
+    return keep
+
+
+def _answer_logits_per_head(body, heads: Sequence, prompts: list[list[int]], answers: list[list[int]],
+                            vocab: int) -> list[list[torch.Tensor]]:
+    """Per head, per prompt, the logits ``(len(answer), vocab)`` of ``head(body(prompt + answer))`` at the
+    answer positions (float32): one pass of the decoder layers ``body`` for every head."""
+    ids, mask = _right_padded([list(p) + list(a) for p, a in zip(prompts, answers)], body.device)
+    hidden = body(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (batch, seq, H)
+    kept = hidden[_answer_positions(prompts, answers, mask)]  # (answer tokens, H)
+    sizes = [len(a) for a in answers]
+    return [list(torch.split(head(kept)[:, :vocab].float(), sizes)) for head in heads]
+
+
+def same_body(a, b) -> bool:
+    """Whether drafters ``a`` and ``b`` (as the decoder runs them: int8 or float) have equal decoder layers,
+    embeddings and norms, tensor for tensor, so that they differ at most in their LM head."""
+    body_a, body_b = a.get_decoder(), b.get_decoder()
+    # not the whole configs: a reduced head unties the head from the embeddings (tie_word_embeddings)
+    if type(body_a) is not type(body_b) or a.config._attn_implementation != b.config._attn_implementation:
+        return False
+    modules_a, modules_b = dict(body_a.named_modules()), dict(body_b.named_modules())
+    if modules_a.keys() != modules_b.keys():
+        return False
+    return all(_same_module_tensors(modules_a[name], modules_b[name]) for name in modules_a)
+
+
+def _same_module_tensors(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.ao.nn.quantized.dynamic.Linear):  # packed int8 weights: compare what they unpack to
+        (wa, ba), (wb, bb) = a._weight_bias(), b._weight_bias()
+        return (torch.equal(wa.int_repr(), wb.int_repr()) and _same_scales(wa, wb)
+                and (ba is None) == (bb is None) and (ba is None or torch.equal(ba, bb)))
+    own_a = dict(a.named_parameters(recurse=False)) | dict(a.named_buffers(recurse=False))
+    own_b = dict(b.named_parameters(recurse=False)) | dict(b.named_buffers(recurse=False))
+    return own_a.keys() == own_b.keys() and all(torch.equal(own_a[k], own_b[k]) for k in own_a)
+
+
+def _same_scales(wa: torch.Tensor, wb: torch.Tensor) -> bool:
+    if wa.qscheme() != wb.qscheme():
+        return False
+    if wa.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        return (torch.equal(wa.q_per_channel_scales(), wb.q_per_channel_scales())
+                and torch.equal(wa.q_per_channel_zero_points(), wb.q_per_channel_zero_points()))
+    return wa.q_scale() == wb.q_scale() and wa.q_zero_point() == wb.q_zero_point()
+
+
+@torch.inference_mode()
+def shared_body_predictions(drafters: Sequence, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                            *, vocab_size: int | None = None, batch_tokens: int = 4096, part: tuple[int, int] = (0, 1),
+                            progress: bool = True) -> list[list[tuple[list[int], list[float]] | None]]:
+    """:func:`drafter_predictions` of every drafter in ``drafters``, which share their decoder layers
+    (:func:`same_body`; the first one's run, once per batch) and differ in their LM head: per drafter, the
+    per-prompt ``(argmax (n,), probability (n,))``. Equal to each drafter's own pass up to the rounding of
+    running the head on the kept positions alone.
+
+    Raises:
+        ValueError: as :func:`drafter_predictions`, or no drafter given.
+    """
+    if not drafters:
+        raise ValueError("shared_body_predictions needs at least one drafter")
+    if len(prompts) != len(answers) or any(len(p) == 0 for p in prompts):
+        raise ValueError("shared_body_predictions needs one answer per prompt and prompts of at least one token")
+    vocab = vocab_size or vocab_size_of(drafters[0])
+    body, heads = drafters[0].get_decoder(), [d.get_output_embeddings() for d in drafters]
+    results: list[list] = [[None] * len(prompts) for _ in drafters]
+    batches = _part(batches_by_length([len(p) + len(a) for p, a in zip(prompts, answers)], batch_tokens,
+                                      max_rows=64), part)
+    with tqdm(total=sum(len(answers[i]) for rows in batches for i in rows), unit="tok", disable=not progress,
+              desc=f"teacher-forced drafters ({len(drafters)} heads, one body)") as bar:
+        for rows in batches:
+            per_head = _answer_logits_per_head(body, heads, [list(prompts[i]) for i in rows],
+                                               [list(answers[i]) for i in rows], vocab)
+            for d, logits in enumerate(per_head):
+                for i, row_logits in zip(rows, logits):
+                    top = torch.softmax(row_logits, -1).max(-1)
+                    results[d][i] = (top.indices.tolist(), top.values.tolist())
+            bar.update(sum(len(answers[i]) for i in rows))
+    return results
 
 
 @torch.inference_mode()

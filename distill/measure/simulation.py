@@ -30,7 +30,13 @@ from decode.acceptance import (
 from decode.metrics import verify_cost_at
 from decode.prompt_lookup import DEFAULT_MAX_NGRAM
 from decode.stopping import StopStrings
-from decode.teacher_forcing import drafter_predictions, sampling_betas, target_answers
+from decode.teacher_forcing import (
+    drafter_predictions,
+    same_body,
+    sampling_betas,
+    shared_body_predictions,
+    target_answers,
+)
 from distill import parallel
 from distill.files import write_json_atomic
 
@@ -127,6 +133,35 @@ def teacher_forced(target, drafter, prompts: Prompts, answers: list[list[int]], 
         betas = [None] * len(prompts)
     return [TeacherForced(pid, category, ids, answer, tokens, probs, beta)
             for (pid, category, ids), answer, (tokens, probs), beta in zip(prompts, answers, predictions, betas)]
+
+
+def shared_body_groups(drafters: dict[str, Any]) -> list[list[str]]:
+    """The keys of ``drafters`` grouped by equal decoder layers (:func:`decode.teacher_forcing.same_body`), in
+    their order: the stock drafter and its untrained reduced heads fall in one group."""
+    groups: list[list[str]] = []
+    for key, drafter in drafters.items():
+        group = next((g for g in groups if same_body(drafters[g[0]], drafter)), None)
+        if group is None:
+            groups.append([key])
+        else:
+            group.append(key)
+    return groups
+
+
+def teacher_forced_shared(drafters: dict[str, Any], prompts: Prompts, answers: list[list[int]],
+                          vocab: int) -> dict[str, list[TeacherForced]]:
+    """Greedy :func:`teacher_forced` of drafters that share their decoder layers (one group of
+    :func:`shared_body_groups`), the layers run once for all; keyed as ``drafters``. Of N launched processes
+    each computes every N-th batch; all get the whole lists."""
+    prompt_ids, keys = [ids for _, _, ids in prompts], list(drafters)
+    per_drafter = shared_body_predictions([drafters[k] for k in keys], prompt_ids, answers, vocab_size=vocab,
+                                          part=parallel.rank_and_size())
+    result = {}
+    for key, predictions in zip(keys, per_drafter):
+        predictions = parallel.merged_parts(predictions)
+        result[key] = [TeacherForced(pid, category, ids, answer, tokens, probs)
+                       for (pid, category, ids), answer, (tokens, probs) in zip(prompts, answers, predictions)]
+    return result
 
 
 def simulated_drafter(samples: list[TeacherForced], settings: SimulationSettings, timed: dict[str, Any],

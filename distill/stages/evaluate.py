@@ -42,10 +42,12 @@ from distill.measure.simulation import (
     pairing_of,
     prompt_lookup_section,
     settings_of,
+    shared_body_groups,
     simulated_choice,
     simulated_drafter,
     simulation_check,
     teacher_forced,
+    teacher_forced_shared,
 )
 from distill.models.loading import eos_token_ids, load_model
 from distill.models.reduced_vocab import (
@@ -374,14 +376,24 @@ def _decode_args(cfg: Config, eos: list[int], tokenizer) -> dict[str, Any]:
 
 def _teacher_forced_passes(cfg: Config, ev: _Evaluation) -> dict[str, list]:
     """Each drafter's teacher-forced pass over the target's answers (``decode.acceptance``'s input), keyed as
-    ``ev.runners``; the seconds each took go to ``ev.teacher_forced_seconds``. Of N processes each computes
-    every N-th batch and all get the whole."""
+    ``ev.runners``; the seconds each took go to ``ev.teacher_forced_seconds``. Greedy drafters with equal
+    decoder layers (the stock drafter and its untrained reduced heads) share one pass of those layers, its
+    seconds split among them. Of N processes each computes every N-th batch and all get the whole."""
     samples = {}
-    for key, runner in ev.runners.items():
-        print(f"evaluate: {key} drafter, teacher-forced over the {sum(map(len, ev.answers))} answer tokens")
+    tokens = sum(map(len, ev.answers))
+    groups = shared_body_groups(ev.runners) if cfg.decode.temperature == 0 else [[k] for k in ev.runners]
+    for group in groups:
         start = time.perf_counter()
-        samples[key] = teacher_forced(ev.target, runner, ev.prompts, ev.answers, cfg.decode, ev.vocab)
-        ev.teacher_forced_seconds[key] = time.perf_counter() - start
+        if len(group) == 1:
+            print(f"evaluate: {group[0]} drafter, teacher-forced over the {tokens} answer tokens")
+            samples[group[0]] = teacher_forced(ev.target, ev.runners[group[0]], ev.prompts, ev.answers, cfg.decode,
+                                               ev.vocab)
+        else:
+            print(f"evaluate: {', '.join(group)}: one teacher-forced pass of their shared layers over the {tokens} "
+                  f"answer tokens, each head on its output")
+            samples.update(teacher_forced_shared({k: ev.runners[k] for k in group}, ev.prompts, ev.answers, ev.vocab))
+        for key in group:
+            ev.teacher_forced_seconds[key] = (time.perf_counter() - start) / len(group)
     return samples
 
 

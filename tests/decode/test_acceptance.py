@@ -27,6 +27,7 @@ from decode.prompt_lookup import PromptLookupDrafter, lookup_draft
 from decode.speculative import speculative_generate, target_generate
 from decode.teacher_forcing import batches_by_length, drafter_predictions, sampling_betas, target_answers
 from tests.decode.test_speculative import tiny_model
+from tests.tiny_models import tiny_qwen2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
@@ -357,3 +358,32 @@ def test_the_recommended_k_comes_from_the_simulated_figures_not_the_timed_extrap
     slow = {**section, "recommended_draft_length": 1, "per_k": {"1": {"predicted_speedup": 0.8}}}
     assert not simulated_choice(slow, timed)["speculation_pays"]
     assert simulated_choice({"per_k": {}}, timed) is timed  # nothing simulated: the timed choice stays
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8-dynamic"])
+def test_shared_body_pass_equals_each_drafters_own(pair, quantization):
+    from decode.quantization import drafter_for_decoding
+    from decode.teacher_forcing import same_body, shared_body_predictions
+    from distill.measure.simulation import shared_body_groups
+    from distill.models.reduced_vocab import reduce_vocabulary
+
+    target, drafter = pair
+    whole = drafter_for_decoding(copy.deepcopy(drafter), quantization)
+    kept = torch.tensor(sorted(set(range(0, VOCAB, 2)) | set(range(40, VOCAB))))  # a reduced head of 44 rows
+    reduced = drafter_for_decoding(reduce_vocabulary(copy.deepcopy(drafter), kept), quantization)
+    other = drafter_for_decoding(perturbed(drafter, 0.05, seed=7), quantization)
+    assert same_body(whole, reduced) and not same_body(whole, other)
+    tied = tiny_qwen2(2, seed=3, vocab_size=VOCAB, tie_word_embeddings=True)  # as the shipped 0.5B: reducing unties
+    assert same_body(drafter_for_decoding(copy.deepcopy(tied), quantization),
+                     drafter_for_decoding(reduce_vocabulary(copy.deepcopy(tied), kept), quantization))
+    assert shared_body_groups({"a": whole, "b": other, "c": reduced}) == [["a", "c"], ["b"]]
+    answers = [target_generate(target, torch.tensor([p]), max_new_tokens=12, eos_token_ids=[]).new_tokens.tolist()
+               for p in PROMPTS]
+    shared = shared_body_predictions([whole, reduced], PROMPTS, answers, vocab_size=VOCAB, progress=False)
+    for model, per_prompt in zip((whole, reduced), shared):
+        for (tokens, probs), (own_tokens, own_probs) in zip(per_prompt, drafter_predictions(
+                model, PROMPTS, answers, vocab_size=VOCAB, progress=False)):
+            assert tokens == own_tokens
+            assert probs == pytest.approx(own_probs, abs=1e-5)
+    assert shared[0] != shared[1]  # the heads differ: the reduced one cannot name the odd tokens below 40
+    assert all(t % 2 == 0 or t >= 40 for tokens, _ in shared[1] for t in tokens)

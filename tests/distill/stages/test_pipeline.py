@@ -193,6 +193,8 @@ def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
     # (its 64-token head among them) is paired against it
     assert report["drafter_stock"] == "tiny-target"
     assert set(report["compared_drafters"]) == {"tiny-drafter", "tiny-target", "tiny-target (64-token head)"}
+    # the stock drafter and its reduced head share their layers: one teacher-forced pass of them for both
+    assert "tiny-target, tiny-target (64-token head): one teacher-forced pass" in proc.stdout + proc.stderr
     for section in (report, report["baseline_drafter"], other, report["compared_drafters"]["tiny-target (64-token head)"]):
         against = section["against_stock"]
         lo, hi = against["predicted_speedup_ratio"]["ci95"]
