@@ -196,6 +196,13 @@ class DistillConfig:
         "help": "recompute each decoder layer's activations in the backward pass instead of keeping them: activation "
                 "memory falls from one copy per layer to about one layer's, for about one more forward of compute "
                 "per step (longer sequences or larger batches on a small GPU)"})
+    packing: bool = field(default=False, metadata={
+        "help": "lay each micro-batch's examples end to end in rows of up to max_seq_len tokens (an example never "
+                "split; position ids restart per example, so transformers' block-diagonal causal mask keeps them "
+                "apart) instead of padding each to the micro-batch's longest: the same loss with fewer pad tokens. "
+                "Gains only where the lengths in a micro-batch differ; attention costs a row's length squared; "
+                "on-policy answers are generated padded (their loss step is packed), validation stays padded; "
+                "refused at start for a model whose attention would cross examples"})
     max_seq_len: int = field(default=512, metadata={
         "help": "prompt + answer tokens per example; longer ones are cut (the prompt from the left, the answer from "
                 "the right)"})
@@ -203,6 +210,14 @@ class DistillConfig:
         "help": "auto | no | bf16 | fp16: autocast for the drafter's forward (weights stay fp32). auto = bf16 where "
                 "the hardware has bf16 matrix units (CUDA Ampere+, CPUs with AVX512-BF16/AMX), else no: without them "
                 "bf16 runs a scalar fallback, ~40x slower backward on an AVX2 CPU"})
+    parallel: str = field(default="ddp", metadata={
+        "help": "ddp | fsdp: how launched processes (torchrun / accelerate launch) share the training. ddp: each holds "
+                "the whole drafter and its AdamW state, gradients are averaged (also one process, and CPUs over gloo). "
+                "fsdp: accelerate's FSDP2 shards weights, gradients and AdamW state over the processes (each decoder "
+                "layer gathered only while it runs), for a full fine-tune too big for one GPU; CUDA under a launcher "
+                "only (on CPU accelerate would silently run DDP, so it is refused), no on-policy data, no qlora. "
+                "Checkpoints and the saved drafter are the full model either way; a checkpoint resumes only under "
+                "the distill.parallel that wrote it"})
     val_fraction: float = field(default=0.1, metadata={
         "help": "share of generated examples held out for the validation metric"})
     validate_every: int = field(default=0, metadata={
@@ -241,6 +256,15 @@ class DistillConfig:
         _check(self.grad_accum >= 1, "distill.grad_accum", "must be >= 1")
         _check(self.mixed_precision in ("auto", "no", "bf16", "fp16"), "distill.mixed_precision",
                "must be auto, no, bf16 or fp16")
+        _check(self.parallel in ("ddp", "fsdp"), "distill.parallel", f"must be ddp or fsdp, got {self.parallel!r}")
+        # each process generates its own answers, a different number of forwards on each: FSDP's per-layer
+        # gathers need every process in the same forward
+        _check(not (self.parallel == "fsdp" and self.on_policy_fraction > 0), "distill.on_policy_fraction",
+               "on-policy answers cannot be generated under distill.parallel=fsdp: set distill.on_policy_fraction=0 "
+               "or distill.parallel=ddp")
+        _check(not (self.parallel == "fsdp" and self.method == "qlora"), "distill.method",
+               "distill.parallel=fsdp does not shard qlora's 4-bit base: use distill.method=lora or full, or "
+               "distill.parallel=ddp")
         _check(self.max_seq_len >= 8, "distill.max_seq_len", "must be >= 8")
         _check(0.0 <= self.val_fraction < 1.0, "distill.val_fraction", "must be in [0, 1)")
         _check(self.checkpoint_every >= 0, "distill.checkpoint_every", "must be >= 0")

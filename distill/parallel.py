@@ -69,6 +69,77 @@ def start() -> Any:
     return state
 
 
+PARALLEL_MODES = ("ddp", "fsdp")
+
+
+def is_fsdp2(accelerator: Any) -> bool:
+    """Whether ``accelerator`` shards with FSDP2 (accelerate's ``is_fsdp2``; accelerate before 1.6 has none)."""
+    return bool(getattr(accelerator, "is_fsdp2", False))
+
+
+def fsdp_refusal() -> str | None:
+    """Why ``distill.parallel=fsdp`` cannot run in this process, or None where it can: accelerate or torch without
+    FSDP2, no CUDA, or no launcher.
+
+    accelerate applies its FSDP plugin only to processes that a launcher started on GPUs; anywhere else it drops
+    the plugin without a word (DDP over gloo on CPUs, an unwrapped model in a process started without a launcher),
+    so a run asked to shard would quietly hold the whole drafter on every process.
+    """
+    import dataclasses
+
+    import torch
+    import torch.distributed.fsdp as torch_fsdp
+    from accelerate.utils import FullyShardedDataParallelPlugin, parse_flag_from_env
+
+    if "fsdp_version" not in {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}:
+        return "distill.parallel=fsdp needs accelerate with FSDP2 (1.6 or later): pip install -U accelerate"
+    if not hasattr(torch_fsdp, "fully_shard"):
+        return "distill.parallel=fsdp needs torch's FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.6 or later)"
+    if not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU"):
+        return ("distill.parallel=fsdp needs CUDA GPUs: accelerate shards with FSDP only on GPUs and would train with "
+                "DDP here; on CPU use distill.parallel=ddp")
+    if os.environ.get("LOCAL_RANK") is None:
+        return ("distill.parallel=fsdp runs in processes started by a launcher (torchrun --nproc_per_node N -m "
+                "distill.cli distill ..., or accelerate launch): accelerate leaves a process started without one "
+                "unsharded. One process shards nothing: use distill.parallel=ddp there")
+    return None
+
+
+def accelerator_kwargs(parallel: str, *, grad_accum: int, mixed_precision: str) -> dict[str, Any]:
+    """Keyword arguments of the training ``accelerate.Accelerator`` for ``distill.parallel``.
+
+    ``ddp``: gradient accumulation and mixed precision only (accelerate wraps the drafter in DDP when several
+    processes run, and leaves it alone in one). ``fsdp`` adds accelerate's ``FullyShardedDataParallelPlugin``
+    for FSDP2 (``fsdp_version=2``, ``torch.distributed.fsdp.fully_shard``): each decoder layer (the classes in the
+    model's ``_no_split_modules``) is its own unit, gathered for its forward and backward and resharded after;
+    full (unsharded) state dicts, which is what :mod:`distill.training.checkpoint` saves. With bf16 or fp16 the
+    layers are gathered in that dtype for compute and their gradients reduced in float32, as DDP reduces them
+    (accelerate's own policy would reduce in the compute dtype); the sharded weights and AdamW stay float32.
+
+    Args:
+        parallel: ``ddp`` or ``fsdp``.
+        grad_accum: micro-batches per optimizer step.
+        mixed_precision: ``no``, ``bf16`` or ``fp16`` (resolved, not ``auto``).
+
+    Raises:
+        ValueError: ``parallel`` is not one of ``ddp``, ``fsdp``.
+    """
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
+    kwargs: dict[str, Any] = {"gradient_accumulation_steps": grad_accum, "mixed_precision": mixed_precision}
+    if parallel == "fsdp":
+        import torch
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else None
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+            state_dict_type="FULL_STATE_DICT", mixed_precision_policy=policy)
+    return kwargs
+
+
 def rank_and_size() -> tuple[int, int]:
     """``(this process's rank, number of processes)`` of the joined process group; ``(0, 1)`` without one."""
     if not _active():

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # What the CPU test suite cannot run, checked in a few minutes on a GPU node (tiny random models, no downloads):
-# distill over NCCL in N processes, QLoRA on a bitsandbytes 4-bit base, evaluate's teacher-forced passes in N
-# processes, greedy speculative output equal to the target's on the GPU.
+# distill over NCCL in N processes, distill with FSDP2 (distill.parallel=fsdp) in N processes stopped at a
+# checkpoint and resumed, QLoRA on a bitsandbytes 4-bit base, evaluate's teacher-forced passes in N processes,
+# greedy speculative output equal to the target's on the GPU.
 #
-#   bash scripts/gpu_check.sh              # N = every visible GPU (at least 1)
+#   bash scripts/gpu_check.sh              # N = every visible GPU (at least 1; one process runs FSDP unsharded)
 #   NPROC=2 bash scripts/gpu_check.sh
-#   bash scripts/gpu_check.sh --cpu        # the same steps on 2 CPU processes over gloo, without QLoRA:
+#   bash scripts/gpu_check.sh --cpu        # the same steps on 2 CPU processes over gloo, without QLoRA, and with
+#                                          # FSDP's refusal on CPU in place of the FSDP runs:
 #                                          # checks the script itself on a machine without a GPU
 #
 # Writes under ${OUT:-/tmp/draftsmith_gpu_check}; the last line says what passed. Exits non-zero at the first failure.
@@ -47,10 +49,50 @@ assert state["data"]["num_processes"] == int(sys.argv[2]), state["data"]
 PY
 passed+=("distill x$NPROC")
 
+gen=$(ls -d "$OUT"/generate/*/ | tail -1)
+fsdp=(experiment=tiny distill.parallel=fsdp distill.max_steps=4 distill.checkpoint_every=2 distill.keep_checkpoints=0
+      "inputs.generate=$gen")
+if [[ $CPU == 0 ]]; then
+  echo "== distill with FSDP2 in $NPROC processes (NCCL): whole, then resumed from its checkpoint-2"
+  launch distill "${fsdp[@]}" distill.resume=never "outputs=$OUT/fsdp" >/dev/null
+  whole=$(ls -d "$OUT"/fsdp/distill/*/ | tail -1)
+  launch distill "${fsdp[@]}" "distill.resume=${whole}checkpoints/checkpoint-2" "outputs=$OUT/fsdp_resumed" >/dev/null
+  python - "$whole" "$(ls -d "$OUT"/fsdp_resumed/distill/*/ | tail -1)" "$NPROC" <<'PY'
+import json, math, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+whole, resumed, nproc = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+for run in (whole, resumed):
+    assert (run / "COMPLETE").is_file(), run
+    state = json.loads((run / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["parallel"] == "fsdp" and state["data"]["num_processes"] == nproc, state
+    losses = [json.loads(line)["loss"] for line in (run / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
+# the saved drafter is the ordinary full model, and the resumed run ends where the whole one does
+AutoModelForCausalLM.from_pretrained(whole / "drafter")
+a, b = load_file(whole / "drafter" / "model.safetensors"), load_file(resumed / "drafter" / "model.safetensors")
+assert a.keys() == b.keys()
+diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+print("fsdp: losses", [round(x, 4) for x in losses], "| resumed vs whole, largest weight difference", diff)
+for k in a:
+    torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4)
+PY
+  passed+=("fsdp x$NPROC + resume")
+else
+  echo "== distill with FSDP on CPU: refused before anything loads"
+  if launch distill "${fsdp[@]}" "outputs=$OUT/fsdp" >/dev/null 2>"$OUT/fsdp.err"; then
+    echo "gpu_check: distill.parallel=fsdp ran on CPU (accelerate would have trained with DDP)" >&2; exit 1
+  fi
+  grep -q "on CPU use distill.parallel=ddp" "$OUT/fsdp.err"
+  passed+=("fsdp refused on CPU")
+fi
+
 if [[ $CPU == 0 ]]; then
   echo "== distill with QLoRA (4-bit base, one process)"
   python -m distill.cli distill experiment=tiny distill.method=qlora distill.max_steps=2 distill.resume=never \
-    "outputs=$OUT/qlora" "inputs.generate=$(ls -d "$OUT"/generate/*/ | tail -1)" >/dev/null
+    "outputs=$OUT/qlora" "inputs.generate=$gen" >/dev/null
   passed+=(qlora)
 fi
 

@@ -14,6 +14,7 @@ from distill.config import Config
 from distill.drafters.build import LoraSettings, build_drafter
 from distill.errors import ConfigError, TokenizerMismatchError
 from distill.models.loading import ResolvedModel, load_model, resolve_model, tokenizers_compatible
+from distill.parallel import fsdp_refusal
 
 DRAFTER_DIR = "drafter"  # in a distill run: the merged drafter, a save_pretrained folder
 DRAFTER_INFO = "drafter_info.json"
@@ -73,15 +74,19 @@ def check_layers_exist(cfg: Config) -> None:
 
 
 def check_training_hardware(cfg: Config) -> None:
-    """Refuse fp16 training and ``distill.method=qlora`` where they cannot run, before anything is loaded.
+    """Refuse fp16 training, ``distill.parallel=fsdp`` and ``distill.method=qlora`` where they cannot run, before
+    anything is loaded.
 
     Raises:
-        ConfigError: ``distill.mixed_precision=fp16`` without CUDA; QLoRA without a CUDA device or without
+        ConfigError: ``distill.mixed_precision=fp16`` without CUDA; FSDP without CUDA or in a process no launcher
+            started (:func:`distill.parallel.fsdp_refusal`); QLoRA without a CUDA device or without
             bitsandbytes, or on a depth-pruned drafter (``drafter.init=layers`` copies layers, which 4-bit
             weights do not allow).
     """
     if cfg.distill.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("distill.mixed_precision=fp16 needs CUDA; on CPU use distill.mixed_precision=auto or no")
+    if cfg.distill.parallel == "fsdp" and (why := fsdp_refusal()):
+        raise ConfigError(why)
     if cfg.distill.method != "qlora":
         return
     if not torch.cuda.is_available():

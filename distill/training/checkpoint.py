@@ -20,6 +20,7 @@ import torch
 from distill.drafters.build import state_dict_bytes
 from distill.errors import DiskFullError, DraftsmithError
 from distill.files import human_bytes, make_shareable, require_free_space
+from distill.parallel import is_fsdp2
 
 log = logging.getLogger(__name__)
 
@@ -36,28 +37,34 @@ def save_checkpoint(run: Any, output_dir: Path, *, step: int, examples_seen: int
 
     ``validation_before`` (the untrained drafter's validation figures) rides in the state file so
     that a resumed run reports them rather than re-measuring the half-trained drafter.
+
+    Under FSDP every process takes part in gathering the shards: the trained weights into ``run.plain`` (an
+    ordinary model, saved as any other) and the full AdamW state, keyed by parameter name (torch's
+    ``get_optimizer_state_dict``); the main process writes them.
     """
     accelerator = run.accelerator
     final = output_dir / f"checkpoint-{step}"
     accelerator.wait_for_everyone()
+    optimizer_state = _optimizer_state_to_save(run)
     if accelerator.is_main_process:
         tmp = output_dir / f".checkpoint-{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            accelerator.unwrap_model(run.drafter).save_pretrained(tmp)
-            torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
+            run.plain.save_pretrained(tmp)
+            torch.save(optimizer_state, tmp / "optimizer.pt")
             torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
         except (OSError, RuntimeError) as err:  # torch.save reports ENOSPC as a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
             free = shutil.disk_usage(output_dir).free
-            if not _looks_disk_full(err, free, checkpoint_bytes(accelerator.unwrap_model(run.drafter))):
+            if not _looks_disk_full(err, free, checkpoint_bytes(run.plain)):
                 raise
             raise DiskFullError(f"the disk filled up writing checkpoint {final} ({human_bytes(free)} free); "
                                 f"earlier checkpoints in {output_dir} are intact: free space and run the same "
                                 f"command again to resume") from err
         state = {"format": STATE_FORMAT, "step": step, "examples_seen": examples_seen,
-                 "tokens_seen": tokens_seen, "data": run.data_key, "rng": get_rng_state()}
+                 "tokens_seen": tokens_seen, "data": run.data_key, "rng": get_rng_state(),
+                 "parallel": "fsdp" if is_fsdp2(accelerator) else "ddp"}
         if validation_before:
             state["validation_before"] = validation_before
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
@@ -72,6 +79,74 @@ def save_checkpoint(run: Any, output_dir: Path, *, step: int, examples_seen: int
             os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+def _optimizer_state_to_save(run: Any) -> dict:
+    """The optimizer state a checkpoint holds, on the main process (``{}`` on the others); under FSDP also
+    gathers the trained weights into ``run.plain``."""
+    if not is_fsdp2(run.accelerator):
+        return run.optimizer.state_dict() if run.accelerator.is_main_process else {}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    copy_sharded_weights(run.drafter, run.plain)
+    # full, on the main process's CPU only: no process holds the whole state on its GPU
+    return get_optimizer_state_dict(run.drafter, _bare_optimizer(run.optimizer),
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(accelerator: Any, drafter: torch.nn.Module, optimizer: Any, path: Path) -> None:
+    """Load ``path/optimizer.pt`` into the prepared ``optimizer`` of the prepared ``drafter``.
+
+    Under FSDP the file holds the full state keyed by parameter name, and each process keeps its shard (torch's
+    ``set_optimizer_state_dict``); otherwise it is ``optimizer.state_dict()`` as saved. Every process reads the
+    file (one machine, or a folder all machines share), mapped to the CPU so that none allocates on the main
+    process's device.
+    """
+    saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    if not is_fsdp2(accelerator):
+        optimizer.load_state_dict(saved)  # moves the state to each parameter's device
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(drafter, _bare_optimizer(optimizer), saved, options=StateDictOptions(full_state_dict=True))
+
+
+def copy_sharded_weights(sharded: torch.nn.Module, plain: torch.nn.Module) -> None:
+    """Copy the trainable parameters of an FSDP2-sharded model into ``plain``, the same model unsharded.
+
+    A collective: every process calls it, in the same order of parameters (each one is gathered whole in turn, so
+    no process holds more than one full parameter beyond ``plain``). Frozen parameters are not copied: training
+    does not change them.
+    """
+    from torch.distributed.tensor import DTensor
+
+    own = dict(plain.named_parameters())
+    with torch.no_grad():
+        for name, param in sharded.named_parameters():
+            if param.requires_grad:
+                full = param.full_tensor() if isinstance(param, DTensor) else param
+                own[name].copy_(full.to(own[name].device, own[name].dtype))
+
+
+def check_resume_parallel(state: dict, path: Path, parallel: str) -> None:
+    """Refuse to resume a checkpoint under the other ``distill.parallel``: FSDP's optimizer state is keyed by
+    parameter name, DDP's by position.
+
+    Raises:
+        DraftsmithError: the checkpoint was written under the other mode.
+    """
+    saved = state.get("parallel", "ddp")
+    if saved != parallel:
+        raise DraftsmithError(f"{path} was written with distill.parallel={saved} (its optimizer state is stored "
+                              f"that way): resume with distill.parallel={saved}, or start fresh")
+
+
+def _bare_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's wrapper (torch's state-dict helpers may step an empty optimizer to
+    create its state, which must not step accelerate's gradient scaler)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def checkpoint_bytes(drafter: torch.nn.Module) -> int:

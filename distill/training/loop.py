@@ -23,6 +23,7 @@ Files written under ``output_dir``:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -46,8 +47,12 @@ from distill.errors import DraftsmithError, OutOfMemoryError, out_of_memory_byte
 from distill.files import write_text_atomic
 from distill.hardware import resolve_mixed_precision
 from distill.models.reduced_vocab import draft_vocabulary_of, restrict_logits
+from distill.parallel import accelerator_kwargs, fsdp_refusal, is_fsdp2
 from distill.training.checkpoint import (
     check_checkpoint_space,
+    check_resume_parallel,
+    copy_sharded_weights,
+    load_optimizer_state,
     load_weights,
     prune_checkpoints,
     read_state,
@@ -55,6 +60,7 @@ from distill.training.checkpoint import (
     set_rng_state,
 )
 from distill.training.losses import LOSS_KINDS, distillation_loss, expected_acceptance, top_k_distillation_loss
+from distill.training.packing import check_packing, pack_batch
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +123,12 @@ def train_drafter(
     process writes ``metrics.jsonl``, logs to ``logger``, shows the bar and writes checkpoints.
     A checkpoint resumes only with the same number of processes.
 
+    ``settings.parallel="fsdp"`` (CUDA under a launcher; refused elsewhere, see
+    :func:`distill.parallel.fsdp_refusal`): accelerate's FSDP2 shards a copy of the drafter over the processes
+    (:func:`distill.parallel.accelerator_kwargs`); the same batches, token weighting and steps as DDP. The
+    caller's ``drafter`` stays an ordinary model: each checkpoint gathers the trained weights into it and saves
+    it, and at the end it holds the trained weights on every process. The target is not sharded.
+
     Data order: epoch e visits the examples in ``numpy.random.default_rng([seed, e])
     .permutation(n)``; batches run across epoch boundaries until ``max_steps``. A resumed run
     continues the same stream at the saved position, with the saved optimizer, scheduler and
@@ -140,10 +152,11 @@ def train_drafter(
             ``warmup_steps``; ``weight_decay`` (AdamW, decoupled); ``seed`` (data order and, on a fresh
             start, ``accelerate.utils.set_seed``); ``checkpoint_every`` (0 = only at the end; the last
             step always saves); ``keep_checkpoints`` (newest N kept, 0 = all; older ones are deleted
-            after a newer one is complete); ``validate_every``; ``mixed_precision``;
-            ``on_policy_fraction`` and ``on_policy_temperature``. The other fields (method, LoRA,
-            resume, target_source) are the caller's: they decide the drafter, ``resume_from`` and the
-            examples handed in.
+            after a newer one is complete); ``validate_every``; ``mixed_precision``; ``packing`` (micro-batches
+            packed into dense rows, the same loss: :mod:`distill.training.packing`; refused with DraftsmithError
+            for a model whose attention crosses examples); ``on_policy_fraction`` and ``on_policy_temperature``;
+            ``parallel`` (ddp or fsdp). The other fields (method, LoRA, resume, target_source) are the
+            caller's: they decide the drafter, ``resume_from`` and the examples handed in.
         output_dir: folder for ``metrics.jsonl`` and checkpoints (created).
         resume_from: a ``checkpoint-<step>`` folder of an earlier run with the same examples,
             seed, batch_size and grad_accum; ``drafter`` must be built the same way (its
@@ -191,7 +204,9 @@ def train_drafter(
 
     Raises:
         DraftsmithError: non-finite loss (names the step), no usable example, no trainable
-            parameter, or a checkpoint that does not match the run.
+            parameter, a checkpoint that does not match the run (or was written under the other
+            ``parallel``), or an accelerator that does not run ``parallel`` as asked (FSDP without CUDA or
+            a launcher, or an FSDP launch with ``parallel="ddp"``).
         DiskFullError: the disk cannot hold one checkpoint (before training), or filled up while
             one was written (the earlier checkpoints are intact).
         ValueError: an argument out of range.
@@ -200,6 +215,10 @@ def train_drafter(
     d = settings
     spec = LossSpec(d.loss, d.jsd_beta, d.temperature)
     _check_target_source(examples, target, d.loss, d.on_policy_fraction, d.on_policy_temperature)
+    if d.packing:  # a model that attends across packed examples would train on another loss, silently
+        check_packing(drafter, "the drafter")
+        if target is not None:
+            check_packing(target, "the target")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if pad_token_id is None:
@@ -208,9 +227,10 @@ def train_drafter(
     run = _setup(drafter, target, examples, spec=spec, lr=d.lr, max_steps=d.max_steps, batch_size=d.batch_size,
                  grad_accum=d.grad_accum, max_seq_len=d.max_seq_len, warmup_steps=d.warmup_steps,
                  weight_decay=d.weight_decay, seed=d.seed, resume_from=resume_from, pad_token_id=pad_token_id,
-                 mixed_precision=d.mixed_precision, gradient_checkpointing=d.gradient_checkpointing)
+                 mixed_precision=d.mixed_precision, gradient_checkpointing=d.gradient_checkpointing,
+                 parallel=d.parallel)
     # every process checks (a refusal on the main one alone would leave the others waiting for it)
-    check_checkpoint_space(run.accelerator.unwrap_model(run.drafter), output_dir, start_step=run.start_step,
+    check_checkpoint_space(run.plain, output_dir, start_step=run.start_step,
                             max_steps=d.max_steps, checkpoint_every=d.checkpoint_every, keep=d.keep_checkpoints,
                             warn=run.accelerator.is_main_process)
     val_args = dict(loss=d.loss, jsd_beta=d.jsd_beta, temperature=d.temperature, batch_size=d.batch_size,
@@ -265,6 +285,8 @@ def train_drafter(
             sink.validation(d.max_steps, after)
     # Drop accelerate's autocast wrapper from the drafter's forward: callers save and decode with it.
     run.accelerator.unwrap_model(run.drafter, keep_fp32_wrapper=False)
+    if is_fsdp2(run.accelerator):  # the caller's drafter gets the trained weights (FSDP trained a sharded copy)
+        copy_sharded_weights(run.drafter, run.plain)
     history = sink.losses
     result.update({
         "steps": max(d.max_steps, run.start_step),
@@ -296,6 +318,8 @@ def _optimizer_step(run: _TrainingSetup, target, batches, step: int, d: DistillC
                              max_seq_len=d.max_seq_len)
             if _draw(d.seed, step, i) < d.on_policy_fraction else batch
             for i, batch in enumerate(micro_batches)]
+    if d.packing:  # after the on-policy draw: generation needs the padded prompts
+        micro_batches = [pack_batch(b, max_seq_len=d.max_seq_len, pad_token_id=pad_token_id) for b in micro_batches]
     step_tokens = sum(int(b["loss_mask"].sum()) for b in micro_batches)
     # DDP averages gradients over processes: weighting by the tokens of *all* processes (times
     # their number) makes the synchronised step the token-weighted mean over every process's tokens
@@ -532,19 +556,21 @@ class _TrainingSetup:
     examples_seen: int
     tokens_seen: int
     data_key: dict
+    plain: torch.nn.Module  # the caller's drafter, an ordinary model: what checkpoints save
 
 
 def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_accum, max_seq_len,
            warmup_steps, weight_decay, seed, resume_from, pad_token_id, mixed_precision="no",
-           gradient_checkpointing=False) -> _TrainingSetup:
+           gradient_checkpointing=False, parallel="ddp") -> _TrainingSetup:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_linear_schedule_with_warmup
 
     examples = _usable_examples(examples, max_seq_len, "training")
     mixed_precision = resolve_mixed_precision(mixed_precision)
-    accelerator = Accelerator(gradient_accumulation_steps=grad_accum, mixed_precision=mixed_precision)
+    accelerator = Accelerator(**accelerator_kwargs(parallel, grad_accum=grad_accum, mixed_precision=mixed_precision))
     _check_processes(accelerator)
+    _check_parallel(accelerator, parallel)
     data_key = {"seed": seed, "batch_size": batch_size, "grad_accum": grad_accum,
                 "num_examples": len(examples), "max_seq_len": max_seq_len,
                 # each process takes its own batches: N processes make a step of N * batch_size * grad_accum
@@ -552,6 +578,7 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
     state = None
     if resume_from is not None:
         state = read_state(Path(resume_from), data_key)
+        check_resume_parallel(state, Path(resume_from), parallel)
         load_weights(drafter, Path(resume_from))
     else:
         set_seed(seed)
@@ -562,6 +589,9 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
         # non-reentrant: gradients reach LoRA weights although the frozen embeddings' output needs none
         drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     drafter.train()
+    # FSDP2 shards the module it prepares in place: it trains a copy, and the caller's drafter stays an
+    # ordinary model that checkpoints and the end of training fill with the gathered weights
+    plain, drafter = drafter, (copy.deepcopy(drafter) if is_fsdp2(accelerator) else drafter)
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     if not params:
@@ -582,11 +612,9 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
     # The scheduler is stepped by hand once per optimizer step (accelerate's prepared scheduler
     # would step once per process).
     drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
+    params = [p for p in drafter.parameters() if p.requires_grad]  # FSDP2 swapped in sharded parameters
     if state is not None:
-        # map to the CPU: the main process saved them from its device (load_state_dict moves the
-        # optimizer state to each parameter's device), so other processes do not allocate on it
-        optimizer.load_state_dict(torch.load(Path(resume_from) / "optimizer.pt", map_location="cpu",
-                                             weights_only=True))
+        load_optimizer_state(accelerator, drafter, optimizer, Path(resume_from))
         scheduler.load_state_dict(torch.load(Path(resume_from) / "scheduler.pt", map_location="cpu",
                                              weights_only=True))
         # re-evaluate the lr at the saved step under *this* schedule (max_steps may have grown)
@@ -594,7 +622,7 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
         scheduler.step()
     return _TrainingSetup(accelerator, drafter, optimizer, scheduler, loader, params, state,
                 start_step=state["step"] if state else 0, examples_seen=examples_seen,
-                tokens_seen=state["tokens_seen"] if state else 0, data_key=data_key)
+                tokens_seen=state["tokens_seen"] if state else 0, data_key=data_key, plain=plain)
 
 
 class _StreamSampler(Sampler[int]):
@@ -671,7 +699,8 @@ def _loss_step(drafter, target, batch: dict, spec: LossSpec) -> tuple[torch.Tens
     where the drafter's most likely token is the target's (float): greedy decoding accepts a draft
     token exactly when they agree, so this is the greedy acceptance proxy.
     """
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    # a packed batch (distill.training.packing) has position_ids and no attention_mask
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     keep = batch["loss_mask"]
     if "top_k_ids" in batch:  # stored target distributions: no target forward at all
         student_logits = drafter(**inputs, use_cache=False, logits_to_keep=keep).logits
@@ -869,6 +898,20 @@ def _check_processes(accelerator) -> None:
     if world > 1 and accelerator.num_processes == 1:
         raise DraftsmithError(f"WORLD_SIZE={world} but accelerate runs this process alone: on a machine "
                               "without a GPU set ACCELERATE_USE_CPU=1 for torchrun / accelerate launch --multi_gpu")
+
+
+def _check_parallel(accelerator, parallel: str) -> None:
+    """Refuse an accelerator that does not run ``distill.parallel`` as asked: accelerate drops an FSDP plugin it
+    cannot apply (CPUs, a process started without a launcher), and applies one that ``accelerate launch`` brought
+    (``ACCELERATE_USE_FSDP``) to a run whose checkpoints expect DDP."""
+    from accelerate.utils import DistributedType
+
+    if parallel == "fsdp" and not is_fsdp2(accelerator):
+        raise DraftsmithError(fsdp_refusal() or "distill.parallel=fsdp: accelerate did not turn FSDP2 on (distributed "
+                              f"type {accelerator.distributed_type.value}): use distill.parallel=ddp")
+    if parallel == "ddp" and accelerator.distributed_type == DistributedType.FSDP:
+        raise DraftsmithError("accelerate was configured for FSDP (accelerate launch --use_fsdp or ACCELERATE_USE_FSDP"
+                              "=true) but distill.parallel=ddp: set distill.parallel=fsdp, or launch without FSDP")
 
 
 def _sum_over_processes(accelerator, values: list[float]) -> list[float]:

@@ -66,6 +66,11 @@ def resume_key(cfg: Config, data_identity: str, target_fingerprint: str) -> str:
     the others make moot (``jsd_beta`` unless ``loss=jsd``, the LoRA ones with ``method=full``) are left out."""
     distill = asdict(cfg.distill)
     distill = {k: v for k, v in distill.items() if k not in _NOT_IN_KEY and k not in _unused_settings(distill)}
+    # fsdp keys apart (its checkpoints resume only under fsdp); ddp, the default, leaves the key as without the setting
+    if distill["parallel"] == "ddp":
+        del distill["parallel"]
+    if not distill["packing"]:  # likewise: runs made before the setting existed keep their key
+        del distill["packing"]
     # what "auto" becomes here: the same command trains in bf16 on one machine and in float32 on another
     distill["mixed_precision"] = resolve_mixed_precision(distill["mixed_precision"])
     blob = json.dumps({"data": data_identity, "target": target_fingerprint, "drafter": asdict(cfg.drafter),
