@@ -136,6 +136,8 @@ def _answer_logits_per_head(body, heads: Sequence, prompts: list[list[int]], ans
                             vocab: int) -> list[list[torch.Tensor]]:
     """Per head, per prompt, the logits ``(len(answer), vocab)`` of ``head(body(prompt + answer))`` at the
     answer positions (float32): one pass of the decoder layers ``body`` for every head."""
+    if not any(answers):
+        return [[torch.zeros(0, vocab) for _ in prompts] for _ in heads]
     ids, mask = _right_padded([list(p) + list(a) for p, a in zip(prompts, answers)], body.device)
     hidden = body(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (batch, seq, H)
     kept = hidden[_answer_positions(prompts, answers, mask)]  # (answer tokens, H)
@@ -145,7 +147,11 @@ def _answer_logits_per_head(body, heads: Sequence, prompts: list[list[int]], ans
 
 def same_body(a, b) -> bool:
     """Whether drafters ``a`` and ``b`` (as the decoder runs them: int8 or float) have equal decoder layers,
-    embeddings and norms, tensor for tensor, so that they differ at most in their LM head."""
+    embeddings and norms, tensor for tensor and dtype for dtype, so that they differ at most in their LM head.
+    Every tensor a module holds counts, registered or not (oneDNN-packed float32 weights,
+    :mod:`decode.cpu_linear`, are plain attributes); one in a layout it cannot read counts as different."""
+    if not (hasattr(a, "get_decoder") and hasattr(b, "get_decoder")):
+        return False
     body_a, body_b = a.get_decoder(), b.get_decoder()
     # not the whole configs: a reduced head unties the head from the embeddings (tie_word_embeddings)
     if type(body_a) is not type(body_b) or a.config._attn_implementation != b.config._attn_implementation:
@@ -157,15 +163,29 @@ def same_body(a, b) -> bool:
 
 
 def _same_module_tensors(a, b) -> bool:
+    """Equal own parameters, buffers and plain tensor attributes (a module's children are compared apart)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, torch.ao.nn.quantized.dynamic.Linear):  # packed int8 weights: compare what they unpack to
         (wa, ba), (wb, bb) = a._weight_bias(), b._weight_bias()
-        return (torch.equal(wa.int_repr(), wb.int_repr()) and _same_scales(wa, wb)
-                and (ba is None) == (bb is None) and (ba is None or torch.equal(ba, bb)))
-    own_a = dict(a.named_parameters(recurse=False)) | dict(a.named_buffers(recurse=False))
-    own_b = dict(b.named_parameters(recurse=False)) | dict(b.named_buffers(recurse=False))
-    return own_a.keys() == own_b.keys() and all(torch.equal(own_a[k], own_b[k]) for k in own_a)
+        return torch.equal(wa.int_repr(), wb.int_repr()) and _same_scales(wa, wb) and _equal(ba, bb)
+    own_a, own_b = _own_tensors(a), _own_tensors(b)
+    return own_a.keys() == own_b.keys() and all(_equal(own_a[k], own_b[k]) for k in own_a)
+
+
+def _own_tensors(module) -> dict[str, torch.Tensor]:
+    hidden = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}  # e.g. oneDNN-packed weights
+    return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False)), **hidden}
+
+
+def _equal(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+    if x is None or y is None:
+        return x is None and y is None
+    if x.layout != y.layout or x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if x.layout == torch._mkldnn:  # oneDNN's packed float32 weights: the same packing of equal weights is equal
+        x, y = x.to_dense(), y.to_dense()
+    return x.layout == torch.strided and torch.equal(x, y)
 
 
 def _same_scales(wa: torch.Tensor, wb: torch.Tensor) -> bool:
@@ -178,13 +198,31 @@ def _same_scales(wa: torch.Tensor, wb: torch.Tensor) -> bool:
 
 
 @torch.inference_mode()
+def head_on_body_is_forward(drafter, probe_tokens: int = 8) -> bool:
+    """Whether ``drafter``'s logits are its LM head on its decoder's last hidden state and nothing more (no
+    softcapping or logit scaling after the head), checked on a short fixed input: what
+    :func:`shared_body_predictions` computes in place of the forward."""
+    if not (hasattr(drafter, "get_decoder") and hasattr(drafter, "get_output_embeddings")):
+        return False
+    device = next(drafter.parameters()).device
+    ids = (torch.arange(probe_tokens, device=device) * 7 + 3)[None] % vocab_size_of(drafter)
+    logits = drafter(input_ids=ids, use_cache=False).logits.float()
+    split = drafter.get_output_embeddings()(drafter.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state)
+    split = split.float()
+    finite = torch.isfinite(logits)
+    return bool(torch.equal(finite, torch.isfinite(split))
+                and torch.allclose(logits[finite], split[finite], rtol=1e-4, atol=1e-4))
+
+
+@torch.inference_mode()
 def shared_body_predictions(drafters: Sequence, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
                             *, vocab_size: int | None = None, batch_tokens: int = 4096, part: tuple[int, int] = (0, 1),
                             progress: bool = True) -> list[list[tuple[list[int], list[float]] | None]]:
     """:func:`drafter_predictions` of every drafter in ``drafters``, which share their decoder layers
     (:func:`same_body`; the first one's run, once per batch) and differ in their LM head: per drafter, the
-    per-prompt ``(argmax (n,), probability (n,))``. Equal to each drafter's own pass up to the rounding of
-    running the head on the kept positions alone.
+    per-prompt ``(argmax (n,), probability (n,))``, as :func:`drafter_predictions` gives them (batches of
+    ``batch_tokens`` prompt + answer tokens at most; ``part=(i, n)``: batches i, i + n, ... only, the others
+    None). Pass only drafters for which :func:`head_on_body_is_forward` holds.
 
     Raises:
         ValueError: as :func:`drafter_predictions`, or no drafter given.

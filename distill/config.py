@@ -116,8 +116,8 @@ class DataConfig:
                 "batch of 8 for minutes)"})
     mixed_sharegpt: int = field(default=1000, metadata={
         "help": "with source=mixed: how many ShareGPT first turns join HumanEval's 164 and MT-Bench's 80 (the first "
-                "of the file); raise it for a larger prompt set (it changes the interleaved order, so the held-out "
-                "split too)"})
+                "of the file); raise it for a larger prompt set (the held-out split is drawn from all of them, so it changes "
+                "too)"})
 
     def __post_init__(self) -> None:
         _check(self.mixed_sharegpt >= 0, "data.mixed_sharegpt", f"must be >= 0, got {self.mixed_sharegpt}")

@@ -32,6 +32,7 @@ from decode.prompt_lookup import DEFAULT_MAX_NGRAM
 from decode.stopping import StopStrings
 from decode.teacher_forcing import (
     drafter_predictions,
+    head_on_body_is_forward,
     same_body,
     sampling_betas,
     shared_body_predictions,
@@ -137,10 +138,13 @@ def teacher_forced(target, drafter, prompts: Prompts, answers: list[list[int]], 
 
 def shared_body_groups(drafters: dict[str, Any]) -> list[list[str]]:
     """The keys of ``drafters`` grouped by equal decoder layers (:func:`decode.teacher_forcing.same_body`), in
-    their order: the stock drafter and its untrained reduced heads fall in one group."""
+    their order: the stock drafter and its untrained reduced heads fall in one group. A drafter whose logits are
+    more than its head on those layers (:func:`decode.teacher_forcing.head_on_body_is_forward`) stays alone."""
+    sharing = {key: head_on_body_is_forward(drafter) for key, drafter in drafters.items()}
     groups: list[list[str]] = []
     for key, drafter in drafters.items():
-        group = next((g for g in groups if same_body(drafters[g[0]], drafter)), None)
+        group = next((g for g in groups if sharing[key] and sharing[g[0]] and same_body(drafters[g[0]], drafter)),
+                     None)
         if group is None:
             groups.append([key])
         else:

@@ -276,6 +276,10 @@ def train_drafter(
         run.loader.end()  # the stream is infinite: tell accelerate we left it
         run.accelerator.free_memory()
 
+    if is_fsdp2(run.accelerator):
+        # the caller's drafter gets the trained weights (FSDP trained a sharded copy), before the validation's
+        # forward leaves the unsharded tail modules holding their bf16 compute copies
+        copy_sharded_weights(run.drafter, run.plain)
     if val_examples:
         after = validate(run.drafter, target, val_examples, **val_args)
         result.update(_prefixed(after, "after"))
@@ -285,8 +289,6 @@ def train_drafter(
             sink.validation(d.max_steps, after)
     # Drop accelerate's autocast wrapper from the drafter's forward: callers save and decode with it.
     run.accelerator.unwrap_model(run.drafter, keep_fp32_wrapper=False)
-    if is_fsdp2(run.accelerator):  # the caller's drafter gets the trained weights (FSDP trained a sharded copy)
-        copy_sharded_weights(run.drafter, run.plain)
     history = sink.losses
     result.update({
         "steps": max(d.max_steps, run.start_step),

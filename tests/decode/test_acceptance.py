@@ -27,7 +27,7 @@ from decode.prompt_lookup import PromptLookupDrafter, lookup_draft
 from decode.speculative import speculative_generate, target_generate
 from decode.teacher_forcing import batches_by_length, drafter_predictions, sampling_betas, target_answers
 from tests.decode.test_speculative import tiny_model
-from tests.tiny_models import tiny_qwen2
+from tiny_models import tiny_qwen2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
@@ -363,7 +363,7 @@ def test_the_recommended_k_comes_from_the_simulated_figures_not_the_timed_extrap
 @pytest.mark.parametrize("quantization", ["none", "int8-dynamic"])
 def test_shared_body_pass_equals_each_drafters_own(pair, quantization):
     from decode.quantization import drafter_for_decoding
-    from decode.teacher_forcing import same_body, shared_body_predictions
+    from decode.teacher_forcing import head_on_body_is_forward, same_body, shared_body_predictions
     from distill.measure.simulation import shared_body_groups
     from distill.models.reduced_vocab import reduce_vocabulary
 
@@ -373,6 +373,12 @@ def test_shared_body_pass_equals_each_drafters_own(pair, quantization):
     reduced = drafter_for_decoding(reduce_vocabulary(copy.deepcopy(drafter), kept), quantization)
     other = drafter_for_decoding(perturbed(drafter, 0.05, seed=7), quantization)
     assert same_body(whole, reduced) and not same_body(whole, other)
+    # LoRA merged into the linear layers alone (embeddings and norms untouched) still differs
+    merged_like = copy.deepcopy(drafter)
+    with torch.no_grad():
+        merged_like.model.layers[1].mlp.down_proj.weight.mul_(1.01)
+    assert not same_body(whole, drafter_for_decoding(merged_like, quantization))
+    assert head_on_body_is_forward(whole) and head_on_body_is_forward(reduced)
     tied = tiny_qwen2(2, seed=3, vocab_size=VOCAB, tie_word_embeddings=True)  # as the shipped 0.5B: reducing unties
     assert same_body(drafter_for_decoding(copy.deepcopy(tied), quantization),
                      drafter_for_decoding(reduce_vocabulary(copy.deepcopy(tied), kept), quantization))
@@ -387,3 +393,21 @@ def test_shared_body_pass_equals_each_drafters_own(pair, quantization):
             assert probs == pytest.approx(own_probs, abs=1e-5)
     assert shared[0] != shared[1]  # the heads differ: the reduced one cannot name the odd tokens below 40
     assert all(t % 2 == 0 or t >= 40 for tokens, _ in shared[1] for t in tokens)
+
+
+def test_a_drafter_whose_logits_are_more_than_its_head_runs_its_own_pass(pair):
+    from decode.teacher_forcing import head_on_body_is_forward
+    from distill.measure.simulation import shared_body_groups
+
+    _, drafter = pair
+    capped = copy.deepcopy(drafter)
+    plain_forward = capped.forward
+
+    def softcapped(*args, **kwargs):  # as Gemma-style final-logit softcapping does after the head
+        out = plain_forward(*args, **kwargs)
+        out.logits = 3.0 * torch.tanh(out.logits / 3.0)
+        return out
+
+    capped.forward = softcapped
+    assert head_on_body_is_forward(drafter) and not head_on_body_is_forward(capped)
+    assert shared_body_groups({"plain": drafter, "capped": capped}) == [["plain"], ["capped"]]

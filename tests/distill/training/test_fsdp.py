@@ -118,7 +118,7 @@ def test_training_loop_refuses_fsdp_that_accelerate_would_drop(monkeypatch, tmp_
     from distill.training.loop import train_drafter
 
     # accelerate records a plugin it was given in the environment: keep that inside this test
-    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # restored after the test, set or not before it
     drafter = tiny_model("drafter", seed=1)
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     with pytest.raises(DraftsmithError, match="on CPU use distill.parallel=ddp"):

@@ -14,6 +14,7 @@ from tiny_models import tiny_qwen2
 
 from distill.drafters.build import LoraSettings, build_drafter
 from distill.errors import DraftsmithError
+from distill.models.reduced_vocab import reduce_vocabulary
 from distill.training import loop
 from distill.training.loop import LossSpec, _loss_step, collate, train_drafter
 from distill.training.packing import check_packing, pack_batch, pack_rows
@@ -225,6 +226,14 @@ def test_check_packing_refuses_a_model_that_attends_across_examples(target, exam
     with pytest.raises(DraftsmithError, match="the drafter"):
         train_drafter(_lora_drafter(target), target, _online(examples), loop_settings(packing=True),
                       output_dir=tmp_path, progress=False)
+    # a reduced-vocabulary head's -inf logits outside its tokens do not hide the difference
+    reduced = reduce_vocabulary(_model(2, seed=5), torch.arange(0, target.config.vocab_size, 2))
+    with pytest.raises(DraftsmithError, match="reduced drafter .*attends across packed examples"):
+        check_packing(reduced, "the reduced drafter")
+
+
+def test_check_packing_accepts_a_reduced_vocabulary_head():
+    check_packing(reduce_vocabulary(_model(2, seed=5), torch.arange(0, 40)), "the drafter")
 
 
 def _script_env():
