@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from loop_settings import loop_settings
+from spawned import free_port, spawn_and_collect
 
 pytestmark = [
     pytest.mark.slow,
@@ -101,21 +101,11 @@ def _worker(rank: int, port: int, out: str) -> None:
     state.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     """Both ranks' recordings and the shared output folder of a 2-process run."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD_SIZE, join=True)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
-    return ranks, out
+    return spawn_and_collect(_worker, out, WORLD_SIZE), out
 
 
 def _tokens(batch: list[tuple]) -> int:
@@ -218,7 +208,7 @@ def _cli_env() -> dict:
 
 def _draftsmith(*args: str, cwd: Path, nproc: int = 1) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_addr", "127.0.0.1", "--master_port", str(_free_port())] if nproc > 1 else [sys.executable]
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port())] if nproc > 1 else [sys.executable]
     return subprocess.run([*launcher, "-m", "distill.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env=_cli_env(), timeout=300)
 

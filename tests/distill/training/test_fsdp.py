@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from loop_settings import loop_settings
+from spawned import spawn_and_collect
 
 from distill.errors import ConfigError, DraftsmithError
 
@@ -237,21 +237,11 @@ def _worker(rank: int, port: int, out: str) -> None:
     state.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     """Both ranks' recordings and the output folder of a 2-process FSDP2 run on CPU."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD_SIZE, join=True)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
-    return ranks, out
+    return spawn_and_collect(_worker, out, WORLD_SIZE), out
 
 
 @pytest.fixture(scope="module")
