@@ -216,9 +216,9 @@ def train_drafter(
     spec = LossSpec(d.loss, d.jsd_beta, d.temperature)
     _check_target_source(examples, target, d.loss, d.on_policy_fraction, d.on_policy_temperature)
     if d.packing:  # a model that attends across packed examples would train on another loss, silently
-        check_packing(drafter, "the drafter")
-        if target is not None:
-            check_packing(target, "the target")
+        for model, what in ((drafter, "the drafter"), (target, "the target")):
+            if model is not None:
+                check_packing(model, what)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if pad_token_id is None:
@@ -289,17 +289,21 @@ def train_drafter(
             sink.validation(d.max_steps, after)
     # Drop accelerate's autocast wrapper from the drafter's forward: callers save and decode with it.
     run.accelerator.unwrap_model(run.drafter, keep_fp32_wrapper=False)
-    history = sink.losses
-    result.update({
-        "steps": max(d.max_steps, run.start_step),
+    result.update(_summary(sink.losses, max(d.max_steps, run.start_step), seen, train_s, checkpoint))
+    return result
+
+
+def _summary(history: list[float], steps: int, seen: dict, train_s: float, checkpoint: Path | None) -> dict:
+    """The run's closing figures: losses, tokens, seconds of training, tokens/s of this call, last checkpoint."""
+    return {
+        "steps": steps,
         "final_loss": history[-1] if history else float("nan"),
         "mean_loss_last_10": float(np.mean(history[-10:])) if history else float("nan"),
         "tokens_seen": seen["tokens"],
         "train_s": train_s,
         "tokens_per_s": seen["this_call"] / train_s if train_s > 0 else 0.0,
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
-    })
-    return result
+    }
 
 
 def _optimizer_step(run: _TrainingSetup, target, batches, step: int, d: DistillConfig, spec: LossSpec,
