@@ -60,7 +60,8 @@ class PerTokenDynamicLinear(torch.ao.nn.quantized.dynamic.Linear):
 
     def set_weight_bias(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
         super().set_weight_bias(w, b)
-        self._refresh_bias()
+        # from b itself: unpacking the packed weight for it (bias()) costs as much as packing it
+        self._float_bias = None if b is None else b.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() <= 1:  # one token: per-call is per-token already

@@ -338,6 +338,10 @@ class EvaluateConfig:
                 "the report"})
     hf_assisted: bool = field(default=True, metadata={
         "help": "also time transformers' assisted generation with the tuned drafter"})
+    timed_drafters: str = field(default="distilled", metadata={
+        "help": "which drafters the decoder also times on the timed prompts: distilled (the others' speedups are "
+                "predicted from their exact simulated tau and their c timed side by side) or all (every drafter "
+                "decoded in real time too, about 40 s each for the default pair on a 2-core CPU)"})
     baseline: bool = field(default=True, metadata={"help": "also measure the undistilled drafter"})
     compare_drafters: list[str] = field(default_factory=list, metadata={
         "help": "other drafters measured untrained in the same run, on the same prompts (shipped names or model "
@@ -359,6 +363,8 @@ class EvaluateConfig:
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "evaluate.num_prompts", "must be >= 1")
         _check(self.timed_prompts >= 1, "evaluate.timed_prompts", "must be >= 1 (at most num_prompts are timed)")
+        _check(self.timed_drafters in ("distilled", "all"), "evaluate.timed_drafters",
+               f"must be 'distilled' or 'all', got {self.timed_drafters!r}")
         _check(all(isinstance(n, str) and n.strip() for n in self.compare_drafters), "evaluate.compare_drafters",
                f"must be a list of model names or folders, e.g. [qwen2.5-coder-0.5b-instruct]; got {self.compare_drafters}")
         _check(all(isinstance(n, int) and n >= 1 for n in self.compare_vocab_sizes), "evaluate.compare_vocab_sizes",

@@ -182,12 +182,13 @@ def _against_stock_lines(report: dict[str, Any]) -> list[str]:
     if not stock or not rows:
         return []
     name = "the undistilled drafter" if stock == "undistilled" else f"`{short_name(stock)}`"
+    timed = any(against.get("timed_speedup_ratio") is not None for _, against in rows)
     lines = ["", f"Against the stock drafter ({name}: the base model as shipped, whole, full vocabulary), paired on "
              "the same prompts. The speedup ratio takes each drafter at its own best K with its measured c (held "
-             "fixed: the interval covers the prompts drawn, not timing noise); the timed ratio is the decoder's on "
-             "the timed prompts only.", "",
+             "fixed: the interval covers the prompts drawn, not timing noise)"
+             + ("; the timed ratio is the decoder's on the timed prompts only." if timed else "."), "",
              "| drafter | tau minus stock's, at the run's K | predicted speedup ratio at best K | best K (it / stock) | "
-             "c (it / stock) | timed speedup ratio |", "|---|---|---|---|---|---|"]
+             "c (it / stock) |" + (" timed speedup ratio |" if timed else ""), "|---|---|---|---|---|" + ("---|" if timed else "")]
     for label, against in rows:
         tau, ratio = against.get("tau_difference") or {}, against.get("predicted_speedup_ratio") or {}
         tau_text = (f"{tau['mean_accepted_tokens']:+.3f} [{tau['ci95'][0]:+.3f}, {tau['ci95'][1]:+.3f}]"
@@ -195,8 +196,8 @@ def _against_stock_lines(report: dict[str, Any]) -> list[str]:
         ratio_text = f"{ratio['ratio']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]" if ratio else "-"
         ks = " / ".join(str(k) for k in ratio.get("draft_lengths") or []) or "-"
         cs = " / ".join(f"{c:.3f}" for c in ratio.get("cost_ratios") or []) or "-"
-        lines.append(f"| {label} | {tau_text} | {ratio_text} | {ks} | {cs} | "
-                     f"{_fmt(against.get('timed_speedup_ratio'), '{:.3f}')} |")
+        lines.append(f"| {label} | {tau_text} | {ratio_text} | {ks} | {cs} |"
+                     + (f" {_fmt(against.get('timed_speedup_ratio'), '{:.3f}')} |" if timed else ""))
     return lines
 
 
@@ -287,16 +288,24 @@ def _timed_table(report: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if report.get("simulated"):
         lines += [f"## Timed decoding on {report.get('num_prompts')} of the prompts (`evaluate.timed_prompts`)", ""]
-    # evaluate.compare_drafters: other (untrained) drafters measured in the same run, one column each
-    others = report.get("compared_drafters") or {}
-    lines += ["| figure | undistilled drafter | distilled drafter |" + "".join(f" `{short_name(n)}` |" for n in others),
-              "|---|---|---|" + "---|" * len(others)]
+    # evaluate.compare_drafters: other (untrained) drafters measured in the same run, one column each;
+    # drafters that were only simulated (evaluate.timed_drafters=distilled) have no column here
+    others = {n: o for n, o in (report.get("compared_drafters") or {}).items() if o.get("timed", True)}
+    columns = ([("undistilled drafter", base)] if base and base.get("timed", True) else []) + \
+        [("distilled drafter", report)] + [(f"`{short_name(n)}`", o) for n, o in others.items()]
+    lines += ["| figure | " + " | ".join(label for label, _ in columns) + " |", "|---|" + "---|" * len(columns)]
     for label, key, fmt in _ROWS:
-        lines.append(f"| {label} | {_fmt(base.get(key), fmt)} | {_fmt(report.get(key), fmt)} |"
-                     + "".join(f" {_fmt(o.get(key), fmt)} |" for o in others.values()))
+        lines.append(f"| {label} | " + " | ".join(_fmt(c.get(key), fmt) for _, c in columns) + " |")
+    untimed = [label for label, c in (("the undistilled drafter", base),
+                                      *((f"`{short_name(n)}`", o) for n, o in (report.get("compared_drafters") or {}).items()))
+               if c and not c.get("timed", True)]
+    if untimed:
+        lines += ["", f"Not timed here (`evaluate.timed_drafters=distilled`): {', '.join(untimed)}; their predicted "
+                  "speedups above come from their exact tau and their c timed side by side (`evaluate.timed_drafters=all` "
+                  "decodes them in real time too)."]
     if base.get("draft_vocab_size"):
         lines += ["", f"The undistilled drafter uses the distilled one's {base['draft_vocab_size']:,}-token draft "
-                  "vocabulary (the same rows of its untrained head), so the two columns differ by training alone."]
+                  "vocabulary (the same rows of its untrained head), so the two differ by training alone."]
     if others:
         lines += ["", "The columns after the distilled drafter are other drafters (`evaluate.compare_drafters`: "
                   + ", ".join(f"`{n}`" for n in others) + "), as given (not distilled by this run), measured in "
@@ -391,14 +400,23 @@ def _per_category_section(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def per_position(section: dict[str, Any]) -> tuple[list | None, str]:
+    """A drafter's P(accepted | reached) by draft position and where it comes from: the simulation over every
+    held-out prompt when the report has one, else the timed decoding."""
+    simulated = (section.get("simulated") or {}).get("per_position_acceptance")
+    if simulated:
+        return simulated, f"simulated on all {section['simulated'].get('num_prompts')} prompts"
+    return section.get("per_position_acceptance"), f"timed decoding, {section.get('num_prompts')} prompts"
+
+
 def _per_position_section(report: dict[str, Any]) -> list[str]:
     """P(accepted | reached) by draft position, undistilled against distilled."""
     base = report.get("baseline_drafter") or {}
     lines: list[str] = []
-    pos = report.get("per_position_acceptance")
+    pos, source = per_position(report)
     if pos:
-        base_pos = base.get("per_position_acceptance") or [None] * len(pos)
-        lines += ["", "## Acceptance by draft position (P(accepted | reached))", "",
+        base_pos = per_position(base)[0] or [None] * len(pos)
+        lines += ["", f"## Acceptance by draft position (P(accepted | reached); {source})", "",
                   "| position | undistilled | distilled |", "|---|---|---|"]
         for i, (b, t) in enumerate(zip(base_pos, pos), start=1):
             lines.append(f"| {i} | {_fmt(b, '{:.3f}')} | {_fmt(t, '{:.3f}')} |")
@@ -462,17 +480,17 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
 
 def _plot_acceptance_by_position(plt, report: dict[str, Any], base: dict[str, Any], folder: Path) -> Path | None:
     """One plot of :func:`write_report_plots` into ``folder``; its path, or None when the report lacks its figures."""
-    pos = report.get("per_position_acceptance") or []
+    pos, source = per_position(report)
     if pos:
         fig, ax = plt.subplots(figsize=(5, 3.2))
         xs = list(range(1, len(pos) + 1))
         width = 0.38
-        for offset, (label, values) in zip((-width / 2, width / 2), (("undistilled", base.get("per_position_acceptance")),
+        for offset, (label, values) in zip((-width / 2, width / 2), (("undistilled", per_position(base)[0]),
                                                                      ("distilled", pos))):
             if values:
                 ax.bar([x + offset for x in xs], [v or 0.0 for v in values], width, label=label)
         ax.set(xlabel="draft position", ylabel="P(accepted | reached)", ylim=(0, 1), xticks=xs,
-               title=f"Acceptance by position, K = {report.get('draft_length')}")
+               title=f"Acceptance by position, K = {report.get('draft_length')}\n({source})")
         ax.legend()
         fig.tight_layout()
         path = folder / "acceptance_by_position.png"

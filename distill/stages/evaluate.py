@@ -139,19 +139,28 @@ def _as_distilled(cfg: Config, info: dict[str, Any]) -> Config:
 
 def _measure_drafter(cfg: Config, ev: "_Evaluation", alone, runner, key: str, *, costs: dict[str, Any],
                      samples: dict[str, list], hf_assisted: bool = False, check: bool = False,
-                     verify_costs: list[float] | None = None) -> tuple[dict[str, Any], Pairing]:
+                     verify_costs: list[float] | None = None, untimed_like: dict[str, Any] | None = None
+                     ) -> tuple[dict[str, Any], Pairing]:
     """One drafter as the decoder runs it (``runner``, named ``key`` in ``costs`` and ``samples``): timed on
     ``ev.timed`` (``decode.benchmark``), then its exact acceptance on every prompt's answer under ``simulated``
     from its teacher-forced pass ``samples[key]`` (and ``simulation_check`` with ``check``); returns the figures
     and its per-prompt block totals (:class:`Pairing`, for paired differences). The predicted speedups take c
     from ``costs`` (every drafter timed side by side, :func:`decode.benchmark.measure_cost_ratios`) and
     ``verify_costs`` (the target's, from the first drafter's run), so that between drafters only c differs,
-    measured alike."""
+    measured alike. With ``untimed_like`` (the distilled drafter's figures) it is not decoded in real time: its
+    section holds the simulated figures alone, at that drafter's K (``evaluate.timed_drafters=distilled``)."""
     start = time.perf_counter()
-    figures = benchmark(ev.target, runner, ev.timed, hf_assisted=hf_assisted, target_outputs=alone,
-                        verify_costs=verify_costs, forward_costs=(costs["target_forward_ms"] / 1000,
-                                                                  costs["cost_ratios"][key]), **ev.settings)
-    seconds = {"timed_decoding": time.perf_counter() - start, "teacher_forced": ev.teacher_forced_seconds[key]}
+    if untimed_like is None:
+        figures = benchmark(ev.target, runner, ev.timed, hf_assisted=hf_assisted, target_outputs=alone,
+                            verify_costs=verify_costs, forward_costs=(costs["target_forward_ms"] / 1000,
+                                                                      costs["cost_ratios"][key]), **ev.settings)
+        seconds = {"timed_decoding": time.perf_counter() - start}
+    else:
+        figures = {"timed": False, "draft_length": untimed_like.get("draft_length"),
+                   "draft_length_choice": {"cost_ratio": costs["cost_ratios"][key], "verify_costs":
+                                           (untimed_like.get("draft_length_choice") or {}).get("verify_costs")}}
+        seconds = {}
+    seconds["teacher_forced"] = ev.teacher_forced_seconds[key]
     simulation = settings_of(cfg.decode, figures)
     model_costs = {"cost_ratio": costs["cost_ratios"][key], "verify_costs": verify_costs or figures.get("verify_costs")}
     figures["simulated"], totals = simulated_drafter(samples[key], simulation, model_costs, cfg.evaluate.seed)
@@ -187,8 +196,12 @@ def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, mea
     dec = cfg.decode
     pairings = {"distilled": tuned}
     verify = report.get("verify_costs")
+    untimed = ""
+    if cfg.evaluate.timed_drafters != "all":  # exact tau and side-by-side c predict their speed; no decoding
+        measure = functools.partial(measure, untimed_like=report)
+        untimed = ", simulated (not timed: evaluate.timed_drafters=distilled)"
     if "undistilled" in runners:
-        print("evaluate: undistilled drafter on the same prompts")
+        print(f"evaluate: undistilled drafter on the same prompts{untimed}")
         report["baseline_drafter"], pairings["undistilled"] = measure(runners.pop("undistilled"), "undistilled",
                                                                       verify_costs=verify)
         report["paired_difference"] = {
@@ -201,7 +214,7 @@ def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, mea
     if runners:
         report["compared_drafters"] = {}
     for name in list(runners):
-        print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts")
+        print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts{untimed}")
         report["compared_drafters"][name], pairings[name] = measure(runners.pop(name), name, verify_costs=verify)
     _against_stock(cfg, report, pairings)
     if cfg.evaluate.prompt_lookup:

@@ -128,10 +128,12 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
             f"{_decoding(report.get('decode') or {})}, "
             f"{report.get('num_prompts')} held-out prompts)", "",
             "| figure | undistilled | this drafter |", "|---|---|---|",
-            f"| acceptance rate | {base.get('acceptance_rate', float('nan')):.3f} | {report['acceptance_rate']:.3f} |",
-            f"| mean accepted tokens per target forward (incl. bonus) | {base.get('mean_accepted_tokens', float('nan')):.2f} "
-            f"| {report['mean_accepted_tokens']:.2f} |",
-            f"| speedup vs target alone | {base.get('speedup', float('nan')):.2f}x | {report['speedup']:.2f}x |", "",
+            f"| acceptance rate | {_or_dash(base.get('acceptance_rate'), '{:.3f}')} | {report['acceptance_rate']:.3f} |",
+            f"| mean accepted tokens per target forward (incl. bonus) | "
+            f"{_or_dash(base.get('mean_accepted_tokens'), '{:.2f}')} | {report['mean_accepted_tokens']:.2f} |",
+            f"| speedup vs target alone | {_or_dash(base.get('speedup'), '{:.2f}x')} | {report['speedup']:.2f}x |", "",
+            *(["The undistilled drafter was not timed (`evaluate.timed_drafters=distilled`): its exact figures "
+               "on every held-out prompt follow.", ""] if base and not base.get("timed", True) else []),
             *_simulated_card_lines(report),
             *_speed_caveats(report),
         ]
@@ -153,6 +155,11 @@ def model_card(info: dict[str, Any], report: dict[str, Any] | None) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _or_dash(value: float | None, fmt: str) -> str:
+    """``value`` formatted, or "-" when the report has none (a drafter that was not timed)."""
+    return "-" if value is None else fmt.format(value)
 
 
 def _draft_vocab_size(path: Path) -> int:

@@ -280,7 +280,7 @@ def render(rows: list[dict[str, Any]], swept: list[str], sweep: Path) -> tuple[s
     writer.writerows(rows)
     shown = ["job", *swept, "drafter", "status", "simulated_tau", "tau_gain", "speedup_ratio_vs_stock",
              "acceptance_rate", "mean_accepted_tokens", "speedup",
-             "baseline_speedup", "val_expected_acceptance", "val_top1_agreement", "distill_s", "outputs_match_target"]
+             "baseline_simulated_tau", "val_expected_acceptance", "val_top1_agreement", "distill_s", "outputs_match_target"]
     planned = planned_jobs(sweep)
     missing = (f" {planned - len(rows)} of the {planned} planned jobs never started: Hydra stops a sweep at its "
                f"first failed job; fix it and run the same sweep again (finished distill runs are reused)."

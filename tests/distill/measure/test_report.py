@@ -82,3 +82,26 @@ def test_the_generate_runs_trained_on_are_named():
     report["distill_inputs"]["extra_generate"] = ["/o/generate/run-b"]
     text = render_report_markdown(report)
     assert "Distilled on 1,200 examples from `generate/run-a`, `generate/run-b` (`inputs.extra_generate`" in text
+
+
+def test_drafters_that_were_only_simulated_get_no_timed_column(tmp_path):
+    """evaluate.timed_drafters=distilled: the undistilled drafter has simulated figures alone; report.md drops
+    its timed column, says why, and takes per-position acceptance from the simulation for both drafters."""
+    report = _report()
+    simulated = {"num_prompts": 64, "num_tokens": 4000, "draft_length": 3, "acceptance_rate": 0.7,
+                 "mean_accepted_tokens": 3.0, "per_position_acceptance": [0.81, 0.82, 0.83],
+                 "ci95": {"acceptance_rate": [0.6, 0.8], "mean_accepted_tokens": [2.8, 3.2]}}
+    report["simulated"] = simulated
+    report["baseline_drafter"] = {"timed": False, "simulated": {**simulated, "per_position_acceptance": [0.5, 0.6, 0.7]},
+                                  "against_stock": {"tau_difference": {"mean_accepted_tokens": -0.1, "ci95": [-0.2, 0.0]},
+                                                    "timed_speedup_ratio": None}}
+    report["drafter_stock"] = "undistilled"
+    report["against_stock"] = {"tau_difference": {"mean_accepted_tokens": 0.1, "ci95": [0.0, 0.2]},
+                               "timed_speedup_ratio": None}
+    text = render_report_markdown(report)
+    assert "| figure | distilled drafter |" in text and "| speedup vs target alone | 2.20x |" in text
+    assert "Not timed here (`evaluate.timed_drafters=distilled`): the undistilled drafter;" in text
+    assert "## Acceptance by draft position (P(accepted | reached); simulated on all 64 prompts)" in text
+    assert "| 1 | 0.500 | 0.810 |" in text
+    assert "timed speedup ratio" not in text and "| distilled drafter | +0.100 [+0.000, +0.200] | - | - | - |" in text
+    assert "acceptance_by_position.png" in [p.name for p in write_report_plots(report, tmp_path)]

@@ -316,7 +316,8 @@ def test_training_a_reduced_drafter(tmp_path, target, method):
 def test_tiny_pipeline_with_reduced_vocabulary(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "distill.cli", "pipeline", "experiment=tiny",
-                           f"outputs={tmp_path}/outputs", "drafter.draft_vocab_size=64", "distill.max_steps=3"],
+                           f"outputs={tmp_path}/outputs", "drafter.draft_vocab_size=64", "distill.max_steps=3",
+                           "evaluate.timed_drafters=all"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report_path = Path(proc.stdout.strip().splitlines()[-1])

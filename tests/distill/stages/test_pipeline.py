@@ -62,7 +62,9 @@ def test_pipeline_prints_report_path_last(tiny_run):
     report = json.loads(report_path.read_text())
     for key in REPORT_KEYS:
         assert key in report, key
-        assert key in report["baseline_drafter"], key
+    # the undistilled drafter is simulated, not timed (evaluate.timed_drafters=distilled)
+    assert report["baseline_drafter"]["timed"] is False
+    assert set(report["baseline_drafter"]["simulated"]) >= {"acceptance_rate", "mean_accepted_tokens", "draft_length"}
     assert report["draft_length"] == 3
     assert report["num_prompts"] == 3
     assert 0.0 <= report["acceptance_rate"] <= 1.0
@@ -180,7 +182,7 @@ def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
     distill_run = Path(pipeline.stdout.strip().splitlines()[-1]).parent.parent / "distill"
     proc = draftsmith_tiny("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval", f"inputs.distill={distill_run}",
                            "evaluate.compare_drafters=[tiny-drafter]", "evaluate.compare_vocab_sizes=[64]",
-                           "evaluate.hf_assisted=false", cwd=root)
+                           "evaluate.hf_assisted=false", "evaluate.timed_drafters=all", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [report_path] = list((tmp_path / "eval").glob("evaluate/*/report.json"))
     report = json.loads(report_path.read_text())
@@ -213,8 +215,18 @@ def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     [again] = list((tmp_path / "eval2").glob("evaluate/*/report.json"))
     pipeline_report = json.loads(Path(pipeline.stdout.strip().splitlines()[-1]).read_text())
-    assert json.loads(again.read_text())["baseline_drafter"]["acceptance_rate"] == \
-        pipeline_report["baseline_drafter"]["acceptance_rate"] < 1.0
+    again_report = json.loads(again.read_text())
+    assert again_report["baseline_drafter"]["simulated"]["mean_accepted_tokens"] == \
+        pipeline_report["baseline_drafter"]["simulated"]["mean_accepted_tokens"] < 1 + report["draft_length"]
+    # by default only the distilled drafter is decoded in real time; the others are simulated, at its K
+    for section in (again_report["baseline_drafter"], again_report["compared_drafters"]["tiny-target"]):
+        assert section["timed"] is False and "speedup" not in section and "timed_decoding" not in section["seconds"]
+        assert section["simulated"]["draft_length"] == again_report["draft_length"]
+        assert section["draft_length_choice"]["cost_ratio"] == section["simulated"]["cost_ratio"] > 0
+    assert "timed_decoding" in again_report["seconds"] and again_report["speedup"] > 0
+    markdown = (again.parent / "report.md").read_text()
+    assert "Not timed here (`evaluate.timed_drafters=distilled`): the undistilled drafter, `tiny-target`" in markdown
+    assert "| figure | distilled drafter |" in markdown and "timed speedup ratio" not in markdown
 
 
 def test_evaluate_on_a_named_prompt_file_counts_prompts_seen_in_training(tiny_run, tmp_path):
@@ -391,6 +403,7 @@ def test_real_pipeline_smoke(qwen05, tmp_path):
                       "generate.max_new_tokens=16", "distill.max_steps=3", "distill.batch_size=2",
                       "evaluate.num_prompts=2", "decode.max_new_tokens=16", "evaluate.hf_assisted=false",
                       "evaluate.stock_drafter=false",  # the stock 0.5B is the target here; tiny runs test it
+                      "evaluate.timed_drafters=all",  # the undistilled drafter decoded too: lossless in fp32
                       "target.dtype=float32", "drafter.dtype=float32", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())
