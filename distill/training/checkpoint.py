@@ -46,6 +46,7 @@ def save_checkpoint(run: Any, output_dir: Path, *, step: int, examples_seen: int
     final = output_dir / f"checkpoint-{step}"
     accelerator.wait_for_everyone()
     optimizer_state = _optimizer_state_to_save(run)
+    rng_states = _rng_states_of_every_process(accelerator)
     if accelerator.is_main_process:
         tmp = output_dir / f".checkpoint-{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -63,8 +64,10 @@ def save_checkpoint(run: Any, output_dir: Path, *, step: int, examples_seen: int
                                 f"earlier checkpoints in {output_dir} are intact: free space and run the same "
                                 f"command again to resume") from err
         state = {"format": STATE_FORMAT, "step": step, "examples_seen": examples_seen,
-                 "tokens_seen": tokens_seen, "data": run.data_key, "rng": get_rng_state(),
+                 "tokens_seen": tokens_seen, "data": run.data_key, "rng": rng_states[0],
                  "parallel": "fsdp" if is_fsdp2(accelerator) else "ddp"}
+        if len(rng_states) > 1:  # each process draws its own dropout masks: resume restores each one's
+            state["rng_per_process"] = rng_states
         if validation_before:
             state["validation_before"] = validation_before
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
@@ -266,6 +269,23 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     if missing or unexpected:
         raise DraftsmithError(f"weights in {path} do not fit the drafter (missing {missing[:3]}, unexpected "
                               f"{unexpected[:3]}): build the drafter as in the run that wrote the checkpoint")
+
+
+def _rng_states_of_every_process(accelerator: Any) -> list[dict]:
+    """:func:`get_rng_state` of every process in rank order (a collective: every process calls it)."""
+    if accelerator.num_processes == 1:
+        return [get_rng_state()]
+    from accelerate.utils import gather_object
+
+    return gather_object([get_rng_state()])
+
+
+def rng_state_to_resume(state: dict, process_index: int, num_processes: int) -> dict:
+    """The RNG state this process resumes with from a checkpoint's ``state``: its own when the checkpoint
+    was written by as many processes (``rng_per_process``), else the main process's (``rng``; the run then
+    draws other dropout masks than an uninterrupted one would)."""
+    per_process = state.get("rng_per_process") or []
+    return per_process[process_index] if len(per_process) == num_processes else state["rng"]
 
 
 def get_rng_state() -> dict:

@@ -56,6 +56,7 @@ from distill.training.checkpoint import (
     load_weights,
     prune_checkpoints,
     read_state,
+    rng_state_to_resume,
     save_checkpoint,
     set_rng_state,
 )
@@ -246,7 +247,7 @@ def train_drafter(
         result.update(before)
     batches = iter(run.loader)  # before restoring the RNG: creating an iterator may draw from it
     if run.state is not None:
-        set_rng_state(run.state["rng"])
+        set_rng_state(rng_state_to_resume(run.state, run.accelerator.process_index, run.accelerator.num_processes))
     if run.start_step >= d.max_steps:
         log.warning("the checkpoint is at step %d, at or past max_steps=%d: nothing left to train (raise "
                     "distill.max_steps to continue)", run.start_step, d.max_steps)

@@ -48,9 +48,11 @@ def _examples() -> list[dict]:
             for i, n in enumerate(COMPLETION_LENGTHS)]
 
 
-def _train(output_dir: Path, batch_size: int, max_steps: int = STEPS, resume_from: Path | None = None) -> dict:
-    """Train a fresh tiny drafter against the tiny target, recording the first step's gradients and the
-    examples each micro-batch held. Returns the recording, the final weights and the result dict."""
+def _train(output_dir: Path, batch_size: int, max_steps: int = STEPS, resume_from: Path | None = None,
+           dropout: float = 0.0) -> dict:
+    """Train a fresh tiny drafter against the tiny target (its attention dropout ``dropout``), recording the
+    first step's gradients and the examples each micro-batch held. Returns the recording, the final weights
+    and the result dict."""
     from distill.models.tiny import tiny_model
     from distill.training import loop as train
 
@@ -70,6 +72,9 @@ def _train(output_dir: Path, batch_size: int, max_steps: int = STEPS, resume_fro
 
     target = tiny_model("target", seed=0)
     drafter = tiny_model("drafter", seed=1)
+    for module in drafter.modules():  # Qwen2 attention reads it at each training forward
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = dropout
     torch.optim.AdamW, train.collate = RecordingAdamW, recording_collate
     try:
         result = train.train_drafter(drafter, target, _examples(),
@@ -92,6 +97,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     # resumed from the main process's checkpoint-2 (both processes read it) in another folder
     resumed = _train(Path(out) / "resumed", batch_size=BATCH, resume_from=Path(out) / "shared" / "checkpoint-2")
     recorded["resumed_weights"] = resumed["weights"]
+    # with dropout every process draws its own masks: a resume must restore each process's RNG, not the main's
+    recorded["dropout_weights"] = _train(Path(out) / "dropout", batch_size=BATCH, dropout=0.3)["weights"]
+    recorded["dropout_resumed_weights"] = _train(Path(out) / "dropout-resumed", batch_size=BATCH, dropout=0.3,
+                                                 resume_from=Path(out) / "dropout" / "checkpoint-2")["weights"]
     from accelerate import PartialState
 
     state = PartialState()
@@ -179,6 +188,17 @@ def test_ddp_resume_continues_as_uninterrupted(ddp_run):
     lines = [json.loads(line) for line in (out / "resumed" / "metrics.jsonl").read_text().splitlines()]
     full = [json.loads(line) for line in (out / "shared" / "metrics.jsonl").read_text().splitlines()]
     assert lines == [{**m, "tokens_per_s": line["tokens_per_s"]} for m, line in zip(full[2:], lines, strict=True)]
+
+
+def test_ddp_resume_with_dropout_restores_every_process_rng(ddp_run):
+    ranks, out = ddp_run
+    state = json.loads((out / "dropout" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert len(state["rng_per_process"]) == WORLD_SIZE and state["rng"] == state["rng_per_process"][0]
+    assert state["rng_per_process"][0] != state["rng_per_process"][1]  # the ranks' streams differ
+    for rank in ranks:
+        w, resumed = rank["dropout_weights"], rank["dropout_resumed_weights"]
+        assert any(not torch.equal(w[k], rank["weights"][k]) for k in w)  # dropout changed the run
+        assert all(torch.equal(w[k], resumed[k]) for k in w)
 
 
 def test_launcher_processes_that_accelerate_does_not_join_are_refused(monkeypatch, tmp_path):

@@ -323,3 +323,12 @@ def test_a_folder_written_twice_at_once_gets_a_clear_error(tmp_path):
             (tmp_path / "shard").mkdir()  # the other process renames its copy first
             (tmp_path / "shard" / "rows").write_text("theirs")
     assert (tmp_path / "shard" / "rows").read_text() == "theirs" and not list(tmp_path.glob(".shard.*"))
+
+
+def test_each_process_resumes_with_its_own_rng_state_when_the_process_count_matches():
+    from distill.training.checkpoint import rng_state_to_resume
+
+    state = {"rng": {"torch": "main"}, "rng_per_process": [{"torch": "main"}, {"torch": "second"}]}
+    assert rng_state_to_resume(state, 1, 2) == {"torch": "second"}
+    assert rng_state_to_resume(state, 1, 3) == {"torch": "main"}  # another process count: the main's
+    assert rng_state_to_resume({"rng": {"torch": "only"}}, 0, 1) == {"torch": "only"}  # a 1-process checkpoint
