@@ -15,6 +15,7 @@ stops with the same error; every process trains, and all meet before the main pr
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, Callable, TypeVar
@@ -138,6 +139,27 @@ def accelerator_kwargs(parallel: str, *, grad_accum: int, mixed_precision: str) 
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
             state_dict_type="FULL_STATE_DICT", mixed_precision_policy=policy)
     return kwargs
+
+
+def restores_fsdp_flag(train: Callable[..., T]) -> Callable[..., T]:
+    """``train`` with ``ACCELERATE_USE_FSDP`` set back to what it was (or unset) when it returns or raises.
+
+    accelerate sets that variable for good in the process once an ``Accelerator`` is given an FSDP plugin, reads
+    it while training (gradient clipping) and transformers reads it when loading a model; a later run in the
+    same process (a sweep's next job, a test) would otherwise be taken for an FSDP one."""
+
+    @functools.wraps(train)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        before = os.environ.get("ACCELERATE_USE_FSDP")
+        try:
+            return train(*args, **kwargs)
+        finally:
+            if before is None:
+                os.environ.pop("ACCELERATE_USE_FSDP", None)
+            else:
+                os.environ["ACCELERATE_USE_FSDP"] = before
+
+    return wrapper
 
 
 def rank_and_size() -> tuple[int, int]:

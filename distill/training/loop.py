@@ -47,7 +47,7 @@ from distill.errors import DraftsmithError, OutOfMemoryError, out_of_memory_byte
 from distill.files import write_text_atomic
 from distill.hardware import resolve_mixed_precision
 from distill.models.reduced_vocab import draft_vocabulary_of, restrict_logits
-from distill.parallel import accelerator_kwargs, fsdp_refusal, is_fsdp2
+from distill.parallel import accelerator_kwargs, fsdp_refusal, is_fsdp2, restores_fsdp_flag
 from distill.training.checkpoint import (
     check_checkpoint_space,
     check_resume_parallel,
@@ -88,6 +88,7 @@ class LossSpec:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
 
+@restores_fsdp_flag
 def train_drafter(
     drafter: torch.nn.Module,
     target: torch.nn.Module,

@@ -117,8 +117,7 @@ def test_training_loop_refuses_fsdp_that_accelerate_would_drop(monkeypatch, tmp_
     from distill.models.tiny import tiny_model
     from distill.training.loop import train_drafter
 
-    # accelerate records a plugin it was given in the environment: keep that inside this test
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # restored after the test, set or not before it
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     drafter = tiny_model("drafter", seed=1)
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     with pytest.raises(DraftsmithError, match="on CPU use distill.parallel=ddp"):
@@ -126,6 +125,8 @@ def test_training_loop_refuses_fsdp_that_accelerate_would_drop(monkeypatch, tmp_
                       output_dir=tmp_path, progress=False)
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
     assert not list(tmp_path.iterdir())  # refused before the first step and the first file
+    # accelerate set ACCELERATE_USE_FSDP=true when given the plugin: unset again, a later run is not FSDP
+    assert "ACCELERATE_USE_FSDP" not in os.environ
 
 
 def test_a_checkpoint_resumes_only_under_the_parallel_that_wrote_it(tmp_path):

@@ -26,7 +26,7 @@ from distill.training.resume import (
     resume_key,
 )
 from tests.distill.test_config import _compose
-from tests.distill.stages.test_pipeline import REPO, TINY_THREADS, draftsmith, draftsmith_tiny
+from tests.distill.stages.test_pipeline import REPO, TINY_THREADS, draftsmith_tiny
 
 
 def _fake_run(root: Path, name: str, key: str, steps=(5, 10), complete=False) -> Path:
