@@ -340,8 +340,9 @@ class EvaluateConfig:
         "help": "also time transformers' assisted generation with the tuned drafter"})
     timed_drafters: str = field(default="distilled", metadata={
         "help": "which drafters the decoder also times on the timed prompts: distilled (the others' speedups are "
-                "predicted from their exact simulated tau and their c timed side by side) or all (every drafter "
-                "decoded in real time too, about 40 s each for the default pair on a 2-core CPU)"})
+                "predicted from their exact simulated tau and their c timed side by side, at the distilled drafter's K "
+                "under decode.schedule=auto) or all (every drafter decoded in real time too, about 40 s each for the "
+                "default pair on a 2-core CPU)"})
     baseline: bool = field(default=True, metadata={"help": "also measure the undistilled drafter"})
     compare_drafters: list[str] = field(default_factory=list, metadata={
         "help": "other drafters measured untrained in the same run, on the same prompts (shipped names or model "

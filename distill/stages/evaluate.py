@@ -207,7 +207,8 @@ def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, mea
         report["paired_difference"] = {
             **paired_tau_difference(tuned.at_k, pairings["undistilled"].at_k, seed=cfg.evaluate.seed),
             "of": "distilled minus undistilled, simulated tau on the same prompts",
-            # each at the K it ran with (they differ only under decode.schedule=auto)
+            # each at the K it ran with: they differ only under decode.schedule=auto with both timed (an untimed
+            # drafter is simulated at the distilled drafter's K)
             "draft_lengths": [report["simulated"]["draft_length"], report["baseline_drafter"]["simulated"]["draft_length"]]}
         if draft_vocab is not None:
             report["baseline_drafter"]["draft_vocab_size"] = int(draft_vocab.numel())
