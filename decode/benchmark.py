@@ -100,9 +100,14 @@ def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[
     over the prompts; a round's ``c = drafter time / target time`` (Leviathan et al. 2023, Sec. 3); the result
     is the median of the rounds' c (the times: medians over rounds), with the rounds' range.
 
+    Drafters with equal :func:`cost_signature` (the same modules and tensor shapes, other values: a LoRA-merged
+    drafter and its base with the same head) compute the same and get one c, from the mean of their rounds:
+    the timing noise between them would otherwise pass for a difference in cost.
+
     Returns:
-        ``{"cost_ratios": {name: c}, "target_forward_ms": ms, "drafter_forward_ms": {name: ms},
-        "cost_ratio_range": {name: [lowest, highest] c over the rounds}, "rounds": rounds, "prompts": n}``.
+        ``{"cost_ratios": {name: c}, "cost_ratios_measured": {name: c before pooling}, "pooled": [[names that
+        share one c], ...], "target_forward_ms": ms, "drafter_forward_ms": {name: ms}, "cost_ratio_range":
+        {name: [lowest, highest] c over the rounds}, "rounds": rounds, "prompts": n}``.
 
     Raises:
         ValueError: no prompts, no drafters or ``rounds`` / ``repeats`` below 1.
@@ -124,11 +129,39 @@ def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[
         del caches
     target_rounds = per_round.pop("\0target")
     spread = {name: [d / t for d, t in zip(rows, target_rounds)] for name, rows in per_round.items()}
-    return {"cost_ratios": {name: statistics.median(c) for name, c in spread.items()},
+    measured = {name: statistics.median(c) for name, c in spread.items()}
+    pooled = [group for group in _same_cost_groups(drafters) if len(group) > 1]
+    ratios = dict(measured)
+    for group in pooled:  # one c for drafters that compute the same: the mean of their rounds, then the median
+        rounds_mean = [statistics.fmean(spread[name][r] for name in group) for r in range(rounds)]
+        ratios.update({name: statistics.median(rounds_mean) for name in group})
+    return {"cost_ratios": ratios, "cost_ratios_measured": measured, "pooled": pooled,
             "target_forward_ms": 1000 * statistics.median(target_rounds),
             "drafter_forward_ms": {name: 1000 * statistics.median(rows) for name, rows in per_round.items()},
             "cost_ratio_range": {name: [min(c), max(c)] for name, c in spread.items()},
             "rounds": rounds, "prompts": len(prompts_ids)}
+
+
+def cost_signature(model) -> tuple:
+    """What a forward's cost depends on: every module's class and settings and the shape and dtype of every
+    tensor it holds (parameters, buffers, packed weights), not their values. Two drafters with equal signatures
+    (a LoRA-merged drafter and the base it was trained from, with the same head) run the same kernels on the
+    same shapes, so they cost the same (dense kernels do not look at the values)."""
+    parts = []
+    for name, module in model.named_modules():
+        tensors = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False)),
+                   **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
+        parts.append((name, type(module).__name__, module.extra_repr(),
+                      tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()))))
+    return tuple(parts)
+
+
+def _same_cost_groups(drafters: dict[str, Any]) -> list[list[str]]:
+    """``drafters``' names grouped by :func:`cost_signature`, in the order they first appear."""
+    groups: dict[tuple, list[str]] = {}
+    for name, model in drafters.items():
+        groups.setdefault(cost_signature(model), []).append(name)
+    return list(groups.values())
 
 
 def measure_cost_ratio(target, drafter, prompts_ids: Sequence[Sequence[int]], repeats: int = 5) -> float:

@@ -106,11 +106,17 @@ def _costs_text(report: dict[str, Any]) -> str:
     costs = report.get("side_by_side_costs")
     if not costs:
         return "measured in this run's timed decoding"
-    spread = ", ".join(f"{short_name(n) if n not in ('distilled', 'undistilled') else n} "
+    spread = ", ".join(f"{_drafter_label(n)} "
                        f"{c:.3f} [{costs['cost_ratio_range'][n][0]:.3f}-{costs['cost_ratio_range'][n][1]:.3f}]"
                        for n, c in costs["cost_ratios"].items())
+    pooled = "".join(f"; {' and '.join(_drafter_label(n) for n in group)} have the same modules and shapes, so "
+                     "they share one c from their pooled rounds" for group in costs.get("pooled") or [])
     return (f"timed side by side ({costs['rounds']} interleaved rounds on {costs['prompts']} prompts, the target's "
-            f"one-token forward {costs['target_forward_ms']:.0f} ms; c and its range over rounds: {spread})")
+            f"one-token forward {costs['target_forward_ms']:.0f} ms; c and its range over rounds: {spread}{pooled})")
+
+
+def _drafter_label(name: str) -> str:
+    return name if name in ("distilled", "undistilled") else short_name(name)
 
 
 def _verify_text(report: dict[str, Any]) -> str:

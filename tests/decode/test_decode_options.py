@@ -300,3 +300,29 @@ def test_side_by_side_cost_ratios_are_medians_of_interleaved_rounds(target, draf
     assert lo < 2 and hi > 0.5  # the target timed against itself: c about 1
     with pytest.raises(ValueError):
         measure_cost_ratios(target, {}, PROMPTS[:1])
+
+
+def test_drafters_of_the_same_shapes_share_one_cost_ratio(target, drafter):
+    """A drafter with other weights but the same modules and shapes (a LoRA-merged drafter beside its base)
+    runs the same kernels: one c for both, from their pooled rounds; another shape keeps its own."""
+    import copy
+
+    from decode.benchmark import cost_signature, measure_cost_ratios
+    from decode.quantization import drafter_for_decoding
+
+    trained = copy.deepcopy(drafter)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01)
+    assert cost_signature(trained) == cost_signature(drafter) != cost_signature(target)
+    int8 = drafter_for_decoding(copy.deepcopy(drafter), "int8-dynamic")
+    assert cost_signature(int8) != cost_signature(drafter)  # other kernels
+    int8_trained = drafter_for_decoding(copy.deepcopy(trained), "int8-dynamic")
+    assert cost_signature(int8_trained) == cost_signature(int8)
+    costs = measure_cost_ratios(target, {"base": drafter, "trained": trained, "itself": target}, PROMPTS[:2],
+                                rounds=3, repeats=2)
+    assert costs["pooled"] == [["base", "trained"]]
+    assert costs["cost_ratios"]["base"] == costs["cost_ratios"]["trained"]
+    assert min(costs["cost_ratio_range"]["base"] + costs["cost_ratio_range"]["trained"]) <= \
+        costs["cost_ratios"]["base"] <= max(costs["cost_ratio_range"]["base"] + costs["cost_ratio_range"]["trained"])
+    assert costs["cost_ratios"]["itself"] == costs["cost_ratios_measured"]["itself"]

@@ -105,3 +105,17 @@ def test_drafters_that_were_only_simulated_get_no_timed_column(tmp_path):
     assert "| 1 | 0.500 | 0.810 |" in text
     assert "timed speedup ratio" not in text and "| distilled drafter | +0.100 [+0.000, +0.200] | - | - | - |" in text
     assert "acceptance_by_position.png" in [p.name for p in write_report_plots(report, tmp_path)]
+
+
+def test_costs_text_names_drafters_that_share_one_c():
+    report = _report()
+    report["simulated"] = {"num_prompts": 8, "num_tokens": 100, "draft_length": 3, "acceptance_rate": 0.7,
+                           "mean_accepted_tokens": 3.0}
+    report["side_by_side_costs"] = {"cost_ratios": {"distilled": 0.2, "undistilled": 0.2, "stock": 0.25},
+                                    "cost_ratio_range": {"distilled": [0.19, 0.22], "undistilled": [0.18, 0.21],
+                                                         "stock": [0.24, 0.26]},
+                                    "pooled": [["distilled", "undistilled"]], "rounds": 5, "prompts": 3,
+                                    "target_forward_ms": 180.0}
+    text = render_report_markdown(report)
+    assert "distilled 0.200 [0.190-0.220], undistilled 0.200 [0.180-0.210], stock 0.250 [0.240-0.260]" in text
+    assert "distilled and undistilled have the same modules and shapes, so they share one c" in text
