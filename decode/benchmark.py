@@ -107,7 +107,8 @@ def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[
     Returns:
         ``{"cost_ratios": {name: c}, "cost_ratios_measured": {name: c before pooling}, "pooled": [[names that
         share one c], ...], "target_forward_ms": ms, "drafter_forward_ms": {name: ms}, "cost_ratio_range":
-        {name: [lowest, highest] c over the rounds}, "rounds": rounds, "prompts": n}``.
+        {name: [lowest, highest] c over the rounds (of the pooled rounds for a shared c)}, "rounds": rounds,
+        "prompts": n}``.
 
     Raises:
         ValueError: no prompts, no drafters or ``rounds`` / ``repeats`` below 1.
@@ -135,6 +136,7 @@ def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[
     for group in pooled:  # one c for drafters that compute the same: the mean of their rounds, then the median
         rounds_mean = [statistics.fmean(spread[name][r] for name in group) for r in range(rounds)]
         ratios.update({name: statistics.median(rounds_mean) for name in group})
+        spread.update({name: rounds_mean for name in group})  # the range shown beside the shared c is its own
     return {"cost_ratios": ratios, "cost_ratios_measured": measured, "pooled": pooled,
             "target_forward_ms": 1000 * statistics.median(target_rounds),
             "drafter_forward_ms": {name: 1000 * statistics.median(rows) for name, rows in per_round.items()},

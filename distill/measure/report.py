@@ -262,9 +262,10 @@ def _headline(report: dict[str, Any]) -> list[str]:
                       f"[{lo:.3f}, {hi:.3f}], {verdict}.")
         best_label, best = _best_against_stock(report)
         if best is not None and best < 1.10:
-            agree = stock["simulated"].get("top1_agreement")
-            lines[-1] += (f" The pair leaves little headroom: the stock drafter already picks the target's greedy "
-                          f"token at {_fmt(agree, '{:.1%}')} of answer positions (tau "
+            agree = stock["simulated"].get("top1_agreement")  # greedy only
+            picks = (f"already picks the target's greedy token at {agree:.1%} of answer positions" if agree is not None
+                     else "already reaches")
+            lines[-1] += (f" The pair leaves little headroom: the stock drafter {picks} (tau "
                           f"{_fmt(stock['simulated'].get('mean_accepted_tokens'), '{:.2f}')} at K = "
                           f"{stock['simulated'].get('draft_length')}), and the best drafter measured here, {best_label}, "
                           f"is {best:.3f}x the stock drafter's predicted speed (the goal is 1.10x).")
@@ -313,9 +314,10 @@ def _timed_table(report: dict[str, Any]) -> list[str]:
         lines += ["", f"The undistilled drafter uses the distilled one's {base['draft_vocab_size']:,}-token draft "
                   "vocabulary (the same rows of its untrained head), so the two differ by training alone."]
     if others:
-        lines += ["", "The columns after the distilled drafter are other drafters (`evaluate.compare_drafters`: "
-                  + ", ".join(f"`{n}`" for n in others) + "), as given (not distilled by this run), measured in "
-                  "this run on the same prompts with the same settings and target-alone baseline."]
+        lines += ["", "The columns " + ", ".join(f"`{n}`" for n in others) + " are other drafters "
+                  "(`evaluate.compare_drafters`, the stock drafter, `evaluate.compare_vocab_sizes`), as given (not "
+                  "distilled by this run), measured in this run on the same prompts with the same settings and "
+                  "target-alone baseline."]
     return lines
 
 
@@ -324,6 +326,8 @@ def _validation_section(report: dict[str, Any]) -> list[str]:
     base = report.get("baseline_drafter") or {}
     lines: list[str] = []
     val = report.get("distill_validation")
+    kind = (report.get("simulated") or {}).get("kind") or ""
+    sampled_here = kind if kind.startswith("expected") else None
     if val:
         lines += ["", "## Expected vs measured acceptance", "",
                   "| figure | undistilled drafter | distilled drafter |", "|---|---|---|",
@@ -338,13 +342,17 @@ def _validation_section(report: dict[str, Any]) -> list[str]:
                   f"| greedy tau at K = {val.get('val_simulated_draft_length') or '-'}, simulated on the validation "
                   f"split | {_fmt(val.get('val_simulated_tau_before'), '{:.2f}')} | "
                   f"{_fmt(val.get('val_simulated_tau_after'), '{:.2f}')} |",
-                  f"| greedy tau, simulated on every held-out prompt (this report) | "
+                  f"| {'greedy tau' if sampled_here is None else 'tau'}, simulated on every held-out prompt "
+                  f"(this report{'' if sampled_here is None else ', ' + sampled_here}) | "
                   f"{_fmt((base.get('simulated') or {}).get('mean_accepted_tokens'), '{:.2f}')} | "
                   f"{_fmt((report.get('simulated') or {}).get('mean_accepted_tokens'), '{:.2f}')} |",
                   "", "1 - TV is the acceptance probability of speculative *sampling* at temperature 1 on the "
                   "target's own continuations (Leviathan et al. 2023, Cor. 3.6); greedy acceptance on new prompts "
-                  "differs, so read the two as a trend, not as equals. The two simulated tau rows are one quantity (exact "
-                  "greedy blocks) on different prompts: the validation split of the training data and the held-out set."]
+                  "differs, so read the two as a trend, not as equals. "
+                  + ("The two simulated tau rows are one quantity (exact greedy blocks) on different prompts: the "
+                     "validation split of the training data and the held-out set." if sampled_here is None else
+                     "The validation row is greedy tau; this report's is the expectation under speculative sampling: "
+                     "two different quantities.")]
         if val.get("stored_top_k"):
             lines += ["", f"Trained on the target's stored top-{val['stored_top_k']} log-probabilities: 1 - TV was "
                       f"computed on those {val['stored_top_k']} tokens plus one bucket for the rest, which is an "
@@ -375,8 +383,8 @@ def _draft_length_section(report: dict[str, Any]) -> list[str]:
     if choice:
         by_k = choice.get("expected_speedup_by_k") or {}
         lines += ["", "## Choice of draft length K (distilled drafter)", "",
-                  f"Recommended K = {choice.get('best_draft_length')} from the "
-                  f"{choice.get('source', 'measured per-position') + ' acceptance'}, "
+                  f"Recommended K = {choice.get('best_draft_length')} from the acceptance at each K "
+                  f"({choice.get('source', 'measured per position')}), "
                   f"c = {_fmt(choice.get('cost_ratio'), '{:.3f}')} and the measured verification cost; the "
                   f"article's rule of thumb K = max(2, int(accuracy x 5)) gives K = {choice.get('rule_of_thumb')}. "
                   + (f"Acceptance was measured up to position {choice['measured_positions']}; larger K "

@@ -154,6 +154,7 @@ def _measure_drafter(cfg: Config, ev: "_Evaluation", alone, runner, key: str, *,
         figures = benchmark(ev.target, runner, ev.timed, hf_assisted=hf_assisted, target_outputs=alone,
                             verify_costs=verify_costs, forward_costs=(costs["target_forward_ms"] / 1000,
                                                                       costs["cost_ratios"][key]), **ev.settings)
+        figures["timed"] = True
         seconds = {"timed_decoding": time.perf_counter() - start}
     else:
         figures = {"timed": False, "draft_length": untimed_like.get("draft_length"),

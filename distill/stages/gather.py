@@ -187,7 +187,7 @@ def _drafter_row(job: str, label: str, section: dict[str, Any]) -> dict[str, Any
     ratio = (section.get("against_stock") or {}).get("predicted_speedup_ratio") or {}
     row = {"job": job, "drafter": label, "prompts": sim.get("num_prompts"), "acceptance": sim.get("acceptance_rate"),
            "tau": sim.get("mean_accepted_tokens"), "top1_agreement": sim.get("top1_agreement"), "best_k": best,
-           "cost_ratio": section.get("cost_ratio"),
+           "cost_ratio": sim.get("cost_ratio", section.get("cost_ratio")),  # side by side, timed or not
            "predicted_speedup": ((sim.get("per_k") or {}).get(str(best)) or {}).get("predicted_speedup"),
            "ratio_vs_stock": ratio.get("ratio"), "timed_speedup": section.get("speedup")}
     for name, interval in (("acceptance", _dig(sim, ("ci95", "acceptance_rate"))),

@@ -323,6 +323,9 @@ def test_drafters_of_the_same_shapes_share_one_cost_ratio(target, drafter):
                                 rounds=3, repeats=2)
     assert costs["pooled"] == [["base", "trained"]]
     assert costs["cost_ratios"]["base"] == costs["cost_ratios"]["trained"]
+    assert costs["cost_ratio_range"]["base"] == costs["cost_ratio_range"]["trained"]  # the pooled rounds' range
+    lo, hi = costs["cost_ratio_range"]["base"]
+    assert lo <= costs["cost_ratios"]["base"] <= hi
     assert min(costs["cost_ratio_range"]["base"] + costs["cost_ratio_range"]["trained"]) <= \
         costs["cost_ratios"]["base"] <= max(costs["cost_ratio_range"]["base"] + costs["cost_ratio_range"]["trained"])
     assert costs["cost_ratios"]["itself"] == costs["cost_ratios_measured"]["itself"]

@@ -106,6 +106,12 @@ def test_export_loads_with_from_pretrained(tiny_run):
     model = AutoModelForCausalLM.from_pretrained(exported)
     card = (exported / "README.md").read_text()
     assert "Draft model for `tiny-target`" in card
+    # the undistilled drafter was simulated, not timed: its exact figures fill its column
+    report = json.loads((run / "evaluate" / "report.json").read_text())
+    sim, base = report["simulated"], report["baseline_drafter"]["simulated"]
+    assert (f"| acceptance rate (exact, {sim['num_prompts']} held-out prompts) | {base['acceptance_rate']:.3f} | "
+            f"{sim['acceptance_rate']:.3f} |") in card
+    assert f"| not timed | {report['speedup']:.2f}x |" in card
     manifest = json.loads((run / "distill" / "manifest.json").read_text())
     assert f"({manifest['num_train_examples']} training examples from 1 generate run, " \
            f"{manifest['num_val_examples']} held out for validation)" in card
