@@ -119,3 +119,15 @@ def test_costs_text_names_drafters_that_share_one_c():
     text = render_report_markdown(report)
     assert "distilled 0.200 [0.190-0.220], undistilled 0.200 [0.180-0.210], stock 0.250 [0.240-0.260]" in text
     assert "distilled and undistilled have the same modules and shapes, so they share one c" in text
+
+
+def test_sampled_reports_do_not_call_their_tau_greedy():
+    report = _report()
+    report["simulated"] = {"num_prompts": 8, "num_tokens": 100, "draft_length": 3, "acceptance_rate": 0.6,
+                           "mean_accepted_tokens": 2.5, "kind": "expected (speculative sampling, along target-sampled "
+                                                                "answers)"}
+    report["baseline_drafter"]["simulated"] = {**report["simulated"], "mean_accepted_tokens": 2.4}
+    report["distill_validation"]["val_simulated_tau_after"] = 2.9
+    text = render_report_markdown(report)
+    assert "| tau, simulated on every held-out prompt (this report, expected (speculative sampling" in text
+    assert "two different quantities" in text and "greedy tau, simulated on every held-out prompt" not in text
