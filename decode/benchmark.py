@@ -616,35 +616,14 @@ def benchmark(
         target_outputs = run_target_alone(target, prompts, **decode_args, seed=seed, vocab_size=vocab,
                                           engine=target_engine, progress=progress)
     hf_drafter = drafter if hf_drafter is None else hf_drafter
-    if hf_assisted and vocab_size_of(target) != vocab_size_of(hf_drafter):
-        # transformers 5 takes a different vocabulary size for a different tokenizer and then
-        # requires `tokenizer`/`assistant_tokenizer` (universal assisted decoding), not comparable.
-        hf_assisted = False
-        notes.append(f"HF assisted generation skipped: vocabulary sizes differ "
-                     f"({vocab_size_of(target)} vs {vocab_size_of(hf_drafter)}), which transformers treats as "
-                     f"different tokenizers")
-        warnings.warn(notes[-1], stacklevel=2)
+    hf_assisted = hf_assisted and _hf_assisted_comparable(target, hf_drafter, notes)
     hf_args = dict(draft_length=draft_length, schedule=schedule, confidence_threshold=confidence_threshold)
     if hf_assisted:
         _hf_assisted_generate(target, hf_drafter, warm_up, **hf_args, **warm_args)
 
-    runs: list[_PromptRun] = []
     bar = tqdm(prompts, desc=f"speculative K={draft_length} ({schedule})", unit="prompt", disable=not progress)
-    for i, (prompt_id, category, ids) in enumerate(bar):
-        input_ids = torch.tensor([list(ids)], device=device)
-        run = _PromptRun(prompt_id, category, target=target_outputs[i], speculative=speculative_generate(
-            target, drafter, input_ids, **spec_args, **decode_args,
-            generator=torch.Generator(device=device).manual_seed(seed)))
-        if hf_assisted:
-            if temperature > 0:
-                torch.manual_seed(seed)
-            run.hf_tokens, wall_s = _hf_assisted_generate(target, hf_drafter, input_ids, **hf_args, **decode_args)
-            # HF does not time its prefill: subtract a separately timed prefill of both of its models
-            prefill_s = _prefill_seconds(target, input_ids) + _prefill_seconds(hf_drafter, input_ids)
-            run.hf_decode_s = max(wall_s - prefill_s, 1e-9)
-        runs.append(run)
-        pooled = DecodeStats.merge([r.speculative.stats for r in runs])
-        bar.set_postfix(acceptance=f"{pooled.acceptance_rate:.3f}", tau=f"{pooled.mean_accepted_tokens:.2f}")
+    runs = _timed_runs(target, drafter, bar, target_outputs, spec_args, decode_args, seed=seed,
+                       hf_drafter=hf_drafter if hf_assisted else None, hf_args=hf_args)
 
     target_forward_s, cost_ratio, verify_costs, measured_verify = _measure_costs(
         target, drafter, prompts, runs, draft_length, notes, verify_costs, forward_costs)
@@ -665,6 +644,43 @@ def benchmark(
                               for category in sorted({r.category for r in runs})}
     result["per_prompt"] = _per_prompt_rows(runs, greedy)
     return result
+
+
+def _hf_assisted_comparable(target, hf_drafter, notes: list[str]) -> bool:
+    """Whether transformers' assisted generation can run with ``hf_drafter`` as it runs ours; if not, why goes to
+    ``notes`` (and a warning)."""
+    if vocab_size_of(target) == vocab_size_of(hf_drafter):
+        return True
+    # transformers 5 takes a different vocabulary size for a different tokenizer and then
+    # requires `tokenizer`/`assistant_tokenizer` (universal assisted decoding), not comparable.
+    notes.append(f"HF assisted generation skipped: vocabulary sizes differ "
+                 f"({vocab_size_of(target)} vs {vocab_size_of(hf_drafter)}), which transformers treats as "
+                 f"different tokenizers")
+    warnings.warn(notes[-1], stacklevel=3)
+    return False
+
+
+def _timed_runs(target, drafter, bar, target_outputs, spec_args: dict, decode_args: dict, *, seed: int,
+                hf_drafter=None, hf_args: dict | None = None) -> list[_PromptRun]:
+    """Our decoder (and, with ``hf_drafter``, transformers' assisted generation) on each prompt of ``bar`` (a tqdm
+    over ``(prompt_id, category, ids)``), beside its target-alone run; the bar shows the running acceptance."""
+    device, runs = target.device, []
+    for i, (prompt_id, category, ids) in enumerate(bar):
+        input_ids = torch.tensor([list(ids)], device=device)
+        run = _PromptRun(prompt_id, category, target=target_outputs[i], speculative=speculative_generate(
+            target, drafter, input_ids, **spec_args, **decode_args,
+            generator=torch.Generator(device=device).manual_seed(seed)))
+        if hf_drafter is not None:
+            if decode_args["temperature"] > 0:
+                torch.manual_seed(seed)
+            run.hf_tokens, wall_s = _hf_assisted_generate(target, hf_drafter, input_ids, **hf_args, **decode_args)
+            # HF does not time its prefill: subtract a separately timed prefill of both of its models
+            prefill_s = _prefill_seconds(target, input_ids) + _prefill_seconds(hf_drafter, input_ids)
+            run.hf_decode_s = max(wall_s - prefill_s, 1e-9)
+        runs.append(run)
+        pooled = DecodeStats.merge([r.speculative.stats for r in runs])
+        bar.set_postfix(acceptance=f"{pooled.acceptance_rate:.3f}", tau=f"{pooled.mean_accepted_tokens:.2f}")
+    return runs
 
 
 def _calibrate_draft_length(target, drafter, prompts, decode_args: dict, *, max_draft_length: int | None,
