@@ -8,6 +8,8 @@
 * :func:`shared_body_predictions`: the same for drafters that differ only in their LM head (the stock
   drafter and its reduced-vocabulary heads): the decoder layers run once, each head on their output.
 * :func:`sampling_betas`: the same pass through both models, ``beta_t = 1 - TV`` per answer position.
+* :func:`answer_top_k`: one batch of that pass through the target, its k most likely tokens and their
+  log-probabilities at every answer position (scoring answers that already exist, for distillation).
 
 Pass the drafter as the decoder runs it (same dtype, int8 quantization, reduced vocabulary head): the
 argmaxes are then the decoder's, up to the rounding of a full forward against the incremental one.
@@ -279,6 +281,25 @@ def drafter_predictions(drafter, prompts: Sequence[Sequence[int]], answers: Sequ
                 results[i] = (top.indices.tolist(), top.values.tolist())
                 bar.update(len(answers[i]))
     return results
+
+
+@torch.inference_mode()
+def answer_top_k(model, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], k: int
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One teacher-forced forward of ``model`` over a batch of prompt + answer (right-padded, attention mask,
+    the LM head on answer positions only): per prompt, the ``k`` most likely next tokens and their
+    log-probabilities (temperature 1, nats, float32, descending) at each answer position, as
+    ``(ids (len(answer), k) int64, logprobs (len(answer), k) float32)``; row j is the distribution answer
+    token j is scored under. Over the model's whole output width, as ``generate(output_logits=True)`` gives.
+
+    Raises:
+        ValueError: an empty prompt, mismatched counts, or k outside 1..output width.
+    """
+    width = vocab_size_of(model)
+    if len(prompts) != len(answers) or any(len(p) == 0 for p in prompts) or not 1 <= k <= width:
+        raise ValueError(f"answer_top_k needs one answer per non-empty prompt and 1 <= k <= {width}, got k={k}")
+    logits = _answer_logits(model, [list(p) for p in prompts], [list(a) for a in answers], width)
+    return [(top.indices, top.values) for top in (torch.log_softmax(x, -1).topk(k, dim=-1) for x in logits)]
 
 
 @torch.inference_mode()

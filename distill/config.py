@@ -29,6 +29,7 @@ CONF_DIR = _ROOT_CONF if _ROOT_CONF.is_dir() else Path(__file__).resolve().paren
 STAGES = ("generate", "distill", "evaluate", "export", "pipeline", "check", "gather")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
+ANSWER_SOURCES = ("target", "dataset")  # generate.answers: who writes the training answers
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -135,7 +136,12 @@ class GenerateConfig:
 
     num_prompts: int = field(default=32, metadata={
         "help": "training prompts answered (the target also answers the evaluate.num_prompts held-out ones)"})
-    max_new_tokens: int = field(default=96, metadata={"help": "answer tokens per prompt, at most"})
+    answers: str = field(default="target", metadata={
+        "help": "target: the target writes each training answer (generation); dataset: the target scores the answer "
+                "that comes with each prompt (ShareGPT's reply, a file's \"answer\" or closing assistant turn) in "
+                "one teacher-forced forward per batch, no generation"})
+    max_new_tokens: int = field(default=96, metadata={
+        "help": "answer tokens per prompt, at most (with answers=dataset: longer answers are cut there)"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature of the answers; 0 = greedy"})
     top_p: float = field(default=1.0, metadata={
         "help": "nucleus sampling: only the most likely tokens up to this probability (1 = all)"})
@@ -150,6 +156,7 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
+        _check(self.answers in ANSWER_SOURCES, "generate.answers", f"must be one of {', '.join(ANSWER_SOURCES)}")
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         _check(self.temperature >= 0, "generate.temperature", "must be >= 0 (0 = greedy)")
         _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")

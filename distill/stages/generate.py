@@ -1,4 +1,8 @@
-"""Stage 1: the target answers the training prompts (synthetic distillation data).
+"""Stage 1: the target answers the training prompts (synthetic distillation data), or scores answers that exist.
+
+``generate.answers=target`` (the default) has the target write every answer; ``generate.answers=dataset`` has it
+score the answer each prompt comes with (:mod:`distill.data.scoring`): one teacher-forced forward per batch
+instead of one forward per answer token, and the same rows.
 
 Prompts are answered in batches and written in shards of ``generate.shard_size``
 prompts, each shard atomically. Shards live in a cache folder keyed by the
@@ -34,6 +38,7 @@ from distill import parallel
 from distill.config import Config
 from distill.data.generated import DATASET_DIR, EVAL_PROMPTS, select_prompts
 from distill.data.prompts import Prompt, encode_prompt
+from distill.data.scoring import encode_answer, require_answers, score_batch
 from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
 from distill.files import atomic_dir, exclusive, write_json_atomic, write_text_atomic
 from distill.hardware import process_device
@@ -48,7 +53,8 @@ log = logging.getLogger(__name__)
 def _shard_key(fingerprint: str, cfg: Config) -> str:
     """The settings every shard of a run shares: the target and the generation settings (not the prompts)."""
     g = cfg.generate
-    payload = json.dumps({"target": fingerprint, "dtype": cfg.target.dtype,
+    payload = json.dumps({**({"answers": g.answers} if g.answers != "target" else {}),
+                          "target": fingerprint, "dtype": cfg.target.dtype,
                           "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p,
                           "batch_size": g.batch_size, "batch_tokens": g.batch_tokens,
                           "shard_size": g.shard_size, "seed": cfg.data.seed,
@@ -57,12 +63,12 @@ def _shard_key(fingerprint: str, cfg: Config) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def _shard_name(start: int, prompts: list[Prompt]) -> str:
+def _shard_name(start: int, prompts: list[Prompt], with_answers: bool = False) -> str:
     """``shard-<start>-<hash>``: a shard is reused only for the same position *and* the same prompts (ids and
     texts), so raising ``generate.num_prompts`` keeps every full shard (the train prompts of a larger run
     begin with those of a smaller one: :func:`distill.data.prompts.split_prompts`) and an edited prompt file
-    regenerates only the shards whose prompts changed."""
-    texts = json.dumps([[p.id, p.messages] for p in prompts], sort_keys=True)
+    regenerates only the shards whose prompts changed (with ``with_answers``, whose answers changed too)."""
+    texts = json.dumps([[p.id, p.messages, *([p.answer] if with_answers else [])] for p in prompts], sort_keys=True)
     return f"shard-{start:06d}-{hashlib.sha256(texts.encode()).hexdigest()[:12]}"
 
 
@@ -114,11 +120,13 @@ def answer_batch(model, input_ids: list[list[int]], *, pad_id: int, eos_ids: lis
 
 
 def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_root: Path, names: dict[int, str],
-                   cfg: Config, *, pad_id: int, eos_ids: list[int], fingerprint: str) -> tuple[int, float]:
+                   cfg: Config, *, pad_id: int, eos_ids: list[int], fingerprint: str,
+                   given: list[tuple[list[int], str]] | None = None) -> tuple[int, int, float]:
     """Answer the training prompts shard by shard into ``shard_root`` (``names``: shard start -> folder name),
-    skipping the shards already there; returns (new tokens, generation seconds) of the shards this process
-    wrote now. Of N launched processes, process r answers shards r, r + N, ...; all return once every shard is
-    written.
+    skipping the shards already there; returns (answer tokens, prompt + answer tokens, seconds in the model) of
+    the shards this process wrote now. ``given``: the answers to score instead, per prompt
+    (:func:`distill.data.scoring.encode_answer`). Of N launched processes, process r answers shards r, r + N,
+    ...; all return once every shard is written.
 
     Raises:
         OutOfMemoryError: a batch did not fit, naming the settings to lower.
@@ -138,10 +146,11 @@ def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_r
         if done and parallel.is_main():
             print(f"generate: resuming, {len(done)}/{len(starts)} shards already finished in {shard_root}")
 
-        new_tokens, gen_s = 0, 0.0
+        new_tokens, all_tokens, gen_s = 0, 0, 0.0
         size = {s: min(g.shard_size, len(train) - s) for s in starts}
+        what = "score" if given else "generate"
         bar = tqdm(total=sum(size[s] for s in mine), initial=sum(size[s] for s in mine if s in done), unit="prompt",
-                   desc="generate" if processes == 1 else f"generate (process {rank + 1} of {processes})")
+                   desc=what if processes == 1 else f"{what} (process {rank + 1} of {processes})")
         for start in mine:
             shard_dir = shard_root / names[start]
             if shard_dir.is_dir():
@@ -149,15 +158,18 @@ def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_r
             torch.manual_seed(cfg.data.seed * 1_000_003 + start)  # a resumed shard samples what it would have
             members = range(start, min(start + g.shard_size, len(train)))
             answered: dict[int, dict] = {}
-            for batch in batches_by_length([len(encoded[i]) for i in members], g.batch_tokens, g.batch_size):
+            lengths = [len(encoded[i]) + (len(given[i][0]) if given else 0) for i in members]
+            for batch in batches_by_length(lengths, g.batch_tokens, g.batch_size):
                 idx = [members[k] for k in batch]
                 t = time.perf_counter()
                 answered.update(zip(idx, _answer_or_explain(model, [encoded[i] for i in idx], idx, g, shard_root,
-                                                            pad_id=pad_id, eos_ids=eos_ids)))
+                                                            pad_id=pad_id, eos_ids=eos_ids,
+                                                            given=[given[i] for i in idx] if given else None)))
                 gen_s += time.perf_counter() - t
                 new_tokens += sum(len(answered[i]["completion_ids"]) for i in idx)
+                all_tokens += sum(len(encoded[i]) + len(answered[i]["completion_ids"]) for i in idx)
                 bar.update(len(idx))
-                bar.set_postfix(tok_s=f"{new_tokens / max(gen_s, 1e-9):.1f}")
+                bar.set_postfix(tok_s=f"{all_tokens / max(gen_s, 1e-9):.1f}", answer_tok_s=f"{new_tokens / max(gen_s, 1e-9):.1f}")
             rows = [{"prompt_id": train[i].id, "source": train[i].source, "category": train[i].category,
                      "prompt_ids": encoded[i], **answered[i], "temperature": g.temperature, "top_p": g.top_p,
                      "target_fingerprint": fingerprint} for i in members]  # in prompt order, whatever the batching
@@ -165,17 +177,20 @@ def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_r
                 Dataset.from_list(rows).save_to_disk(str(tmp))
         bar.close()
         parallel.barrier()  # every shard is on disk before the main process merges them (and lets the lock go)
-    return new_tokens, gen_s
+    return new_tokens, all_tokens, gen_s
 
 
 def _answer_or_explain(model, prompts: list[list[int]], idx: list[int], g, shard_root: Path, *, pad_id: int,
-                       eos_ids: list[int]) -> list[dict]:
-    """:func:`answer_batch` on one batch (``idx``: the prompts' positions, for the message).
+                       eos_ids: list[int], given: list[tuple[list[int], str]] | None = None) -> list[dict]:
+    """:func:`answer_batch` on one batch (``idx``: the prompts' positions, for the message), or
+    :func:`distill.data.scoring.score_batch` on the ``given`` answers.
 
     Raises:
         OutOfMemoryError: the batch did not fit, naming the settings to lower.
     """
     try:
+        if given:
+            return score_batch(model, prompts, given, store_top_k=g.store_top_k)
         return answer_batch(model, prompts, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=g.max_new_tokens,
                             temperature=g.temperature, top_p=g.top_p, store_top_k=g.store_top_k)
     except (MemoryError, RuntimeError) as err:
@@ -225,6 +240,9 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     skipped: list[str] = []
     too_long: list[str] = []
     train, held_out = select_prompts(cfg, skipped, too_long)  # prompt errors surface before the slow model load
+    scoring = cfg.generate.answers == "dataset"
+    if scoring:
+        require_answers(train)
     if too_long:
         print(f"generate: passed over {len(too_long)} prompt(s) longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens} tokens (e.g. {', '.join(too_long[:3])})")
@@ -255,15 +273,18 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                               f"generate.max_new_tokens / decode.max_new_tokens")
 
     if main:
-        write_text_atomic(run_dir / EVAL_PROMPTS, "".join(json.dumps(asdict(p)) + "\n" for p in held_out))
+        # held-out prompts never need their answers (the target answers them for evaluate)
+        write_text_atomic(run_dir / EVAL_PROMPTS, "".join(json.dumps({k: v for k, v in asdict(p).items() if k != "answer"})
+                                                          + "\n" for p in held_out))
 
     g = cfg.generate
     key = _shard_key(resolved.fingerprint, cfg)
     shard_root = Path(cfg.outputs) / ".shards" / f"generate-{key}"
     starts = list(range(0, len(train), g.shard_size))
-    names = {s: _shard_name(s, train[s:s + g.shard_size]) for s in starts}
-    new_tokens, gen_s = _answer_shards(model, train, encoded, shard_root, names, cfg, pad_id=pad_id, eos_ids=eos_ids,
-                                       fingerprint=resolved.fingerprint)
+    names = {s: _shard_name(s, train[s:s + g.shard_size], scoring) for s in starts}
+    given = [encode_answer(tokenizer, p, eos_ids, g.max_new_tokens) for p in train] if scoring else None
+    new_tokens, all_tokens, gen_s = _answer_shards(model, train, encoded, shard_root, names, cfg, pad_id=pad_id,
+                                                   eos_ids=eos_ids, fingerprint=resolved.fingerprint, given=given)
     if main:
         dataset = concatenate_datasets([load_from_disk(str(shard_root / names[s])) for s in starts])
         final = run_dir / DATASET_DIR
@@ -280,6 +301,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
              "completion_tokens": sum(len(x) for x in lengths),
              "finished_with_eos": sum(r == "eos" for r in dataset["finish_reason"]),
              "generation_tokens_per_s": round(new_tokens / gen_s, 2) if gen_s else None,
+             "processed_tokens_per_s": round(all_tokens / gen_s, 2) if gen_s else None,
              "skipped_prompt_lines": len(skipped)}
     logger = make_logger(cfg.logger, run_name("generate", run_dir), run_dir, config=asdict(cfg))
     try:
@@ -295,6 +317,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         # what distill's resume key takes as the data's identity (the shared shard folder is not enough)
         data_identity=hashlib.sha256(json.dumps([str(shard_root), *names.values()]).encode()).hexdigest()[:24],
         store_top_k=g.store_top_k,
+        answers=g.answers,  # who wrote the training answers: "target" (generated) or "dataset" (scored)
         completion_tokens=sum(len(x) for x in lengths),
         finished_with_eos=sum(r == "eos" for r in dataset["finish_reason"]),
         skipped_prompt_lines=skipped,
@@ -302,6 +325,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         model_load_s=round(load_s, 2),
         processes=parallel.rank_and_size()[1],
         generation_tokens_per_s=round(new_tokens / gen_s, 2) if gen_s else None,  # the main process's shards
+        processed_tokens_per_s=round(all_tokens / gen_s, 2) if gen_s else None,  # prompt + answer tokens
     )
 
 

@@ -165,7 +165,8 @@ def test_file_malformed_lines_named(tmp_path):
         "{not json",
         json.dumps({"prompt": "fine"}),
         json.dumps({"text": "wrong key"}),
-        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+        # a closing assistant turn is an answer to score, but only after a user turn
+        json.dumps({"messages": [{"role": "system", "content": "q"}, {"role": "assistant", "content": "a"}]}),
         json.dumps(["a list"]),
     ]))
     with pytest.raises(PromptError) as info:
@@ -175,7 +176,7 @@ def test_file_malformed_lines_named(tmp_path):
     for number in (2, 4, 5, 6):
         assert f"line {number}:" in message
     assert "line 1:" not in message and "line 3:" not in message
-    assert "last message must be from the user" in message
+    assert "the turn before a closing assistant reply must be the user's" in message
     assert '"prompt"' in message  # says what a line should look like
 
 
