@@ -274,6 +274,9 @@ def _main(argv: list[str] | None) -> None:
         sys.exit(2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers >= 5.25 swaps layers for kernels fetched from the Hub when training on CUDA: offline that fails
+    # at the first step (seen on a GPU node), and online it would change the numerics without a word
+    os.environ.setdefault("USE_HUB_KERNELS", "NO")
     # Library chatter (per-load progress bars, bitsandbytes kernel notices) drowns the stage's own bars.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging

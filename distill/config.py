@@ -203,13 +203,13 @@ class DistillConfig:
         "help": "recompute each decoder layer's activations in the backward pass instead of keeping them: activation "
                 "memory falls from one copy per layer to about one layer's, for about one more forward of compute "
                 "per step (longer sequences or larger batches on a small GPU)"})
-    packing: bool = field(default=False, metadata={
+    packing: Optional[bool] = field(default=None, metadata={
         "help": "lay each micro-batch's examples end to end in rows of up to max_seq_len tokens (an example never "
                 "split; position ids restart per example, so transformers' block-diagonal causal mask keeps them "
                 "apart) instead of padding each to the micro-batch's longest: the same loss with fewer pad tokens. "
-                "Gains only where the lengths in a micro-batch differ; attention costs a row's length squared; "
-                "on-policy answers are generated padded (their loss step is packed), validation stays padded; "
-                "refused at start for a model whose attention would cross examples"})
+                "null (default) = packed where the models allow it (checked at start; padded, with a warning, for a "
+                "model whose attention would cross examples); true = packed or refused; false = padded. "
+                "On-policy answers are generated padded (their loss step is packed), validation stays padded"})
     max_seq_len: int = field(default=512, metadata={
         "help": "prompt + answer tokens per example; longer ones are cut (the prompt from the left, the answer from "
                 "the right)"})

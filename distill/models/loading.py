@@ -491,7 +491,10 @@ def load_model(name_or_resolved, dtype: str = "float32", cache_dir: Path | None 
     else:
         resolved = resolve_model(name_or_resolved, cache_dir=cache_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype, **from_pretrained)
+        # no Hub kernels swapped in (transformers >= 5.25 does so by default on CUDA: offline it fails, online it
+        # changes the numerics silently); a caller may still ask for them
+        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype,
+                                                     **{"use_kernels": False, **from_pretrained})
         tokenizer = AutoTokenizer.from_pretrained(resolved.path)
     except OSError as exc:
         raise ModelIntegrityError(

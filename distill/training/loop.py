@@ -30,7 +30,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -155,8 +155,8 @@ def train_drafter(
             start, ``accelerate.utils.set_seed``); ``checkpoint_every`` (0 = only at the end; the last
             step always saves); ``keep_checkpoints`` (newest N kept, 0 = all; older ones are deleted
             after a newer one is complete); ``validate_every``; ``mixed_precision``; ``packing`` (micro-batches
-            packed into dense rows, the same loss: :mod:`distill.training.packing`; refused with DraftsmithError
-            for a model whose attention crosses examples); ``on_policy_fraction`` and ``on_policy_temperature``;
+            packed into dense rows, the same loss: :mod:`distill.training.packing`; None packs where both
+            models keep packed examples apart and pads otherwise, True refuses such a model with DraftsmithError); ``on_policy_fraction`` and ``on_policy_temperature``;
             ``parallel`` (ddp or fsdp). The other fields (method, LoRA, resume, target_source) are the
             caller's: they decide the drafter, ``resume_from`` and the examples handed in.
         output_dir: folder for ``metrics.jsonl`` and checkpoints (created).
@@ -217,10 +217,7 @@ def train_drafter(
     d = settings
     spec = LossSpec(d.loss, d.jsd_beta, d.temperature)
     _check_target_source(examples, target, d.loss, d.on_policy_fraction, d.on_policy_temperature)
-    if d.packing:  # a model that attends across packed examples would train on another loss, silently
-        for model, what in ((drafter, "the drafter"), (target, "the target")):
-            if model is not None:
-                check_packing(model, what)
+    d = replace(d, packing=_resolve_packing(d.packing, drafter, target))
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if pad_token_id is None:
@@ -292,6 +289,7 @@ def train_drafter(
     # Drop accelerate's autocast wrapper from the drafter's forward: callers save and decode with it.
     run.accelerator.unwrap_model(run.drafter, keep_fp32_wrapper=False)
     result.update(_summary(sink.losses, max(d.max_steps, run.start_step), seen, train_s, checkpoint))
+    result["packing"] = d.packing  # what distill.packing=null became for these models
     return result
 
 
@@ -881,6 +879,28 @@ def _check_finite(what: str, value: float, step: int, checkpoint: Path | None = 
         raise DraftsmithError(
             f"{what} is {value} at step {step}; {last}. Lower distill.lr, or check the target's logits "
             "(load the target in float32 if bf16/fp16 overflows)")
+
+
+def _resolve_packing(setting: bool | None, drafter, target) -> bool:
+    """Whether micro-batches are packed: ``distill.packing`` true or null (auto), and both models keep packed
+    examples apart (:func:`distill.training.packing.check_packing`; a model that attends across them would train
+    on another loss, silently). Under null such a model trains padded, with a warning.
+
+    Raises:
+        DraftsmithError: ``setting`` is true and a model attends across packed examples.
+    """
+    if setting is False:
+        return False
+    try:
+        for model, what in ((drafter, "the drafter"), (target, "the target")):
+            if model is not None:
+                check_packing(model, what)
+    except DraftsmithError as error:
+        if setting:
+            raise
+        log.warning("%s; training with padded micro-batches (distill.packing=null)", error)
+        return False
+    return True
 
 
 def _default_pad_id(model: torch.nn.Module) -> int:

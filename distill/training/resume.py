@@ -69,7 +69,7 @@ def resume_key(cfg: Config, data_identity: str, target_fingerprint: str) -> str:
     # fsdp keys apart (its checkpoints resume only under fsdp); ddp, the default, leaves the key as without the setting
     if distill["parallel"] == "ddp":
         del distill["parallel"]
-    if not distill["packing"]:  # likewise: runs made before the setting existed keep their key
+    if distill["packing"] is False:  # likewise: runs made before the setting existed keep their key
         del distill["packing"]
     # what "auto" becomes here: the same command trains in bf16 on one machine and in float32 on another
     distill["mixed_precision"] = resolve_mixed_precision(distill["mixed_precision"])

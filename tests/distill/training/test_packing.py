@@ -1,5 +1,6 @@
 """Sequence packing (distill/training/packing.py, distill.packing): dense rows, the same loss as padded batches."""
 
+import logging
 import json
 import os
 import subprocess
@@ -178,7 +179,8 @@ def _train(target, examples, tmp_path, name, *, online=True, **fields):
 
 
 def test_packing_is_a_no_op_with_one_example_per_micro_batch(target, examples, tmp_path):
-    plain, plain_records, plain_drafter = _train(target, _online(examples), tmp_path, "plain", batch_size=1)
+    plain, plain_records, plain_drafter = _train(target, _online(examples), tmp_path, "plain", batch_size=1,
+                                                 packing=False)
     packed, packed_records, packed_drafter = _train(target, _online(examples), tmp_path, "packed", batch_size=1,
                                                     packing=True)
     assert [r["loss"] for r in packed_records] == [r["loss"] for r in plain_records]
@@ -192,7 +194,7 @@ def test_packing_is_a_no_op_with_one_example_per_micro_batch(target, examples, t
 def test_training_with_packing_follows_the_padded_run(target, examples, tmp_path, source, packed_shapes):
     data = examples if source == "stored" else _online(examples)
     fields = dict(batch_size=4, grad_accum=2, max_seq_len=40, target_source=source, online=source == "online")
-    plain, plain_records, _ = _train(target, data, tmp_path, "plain", **fields)
+    plain, plain_records, _ = _train(target, data, tmp_path, "plain", packing=False, **fields)
     packed, packed_records, _ = _train(target, data, tmp_path, "packed", packing=True, **fields)
     assert len(packed_shapes) == 6 and any(after < before for before, after in packed_shapes)  # rows were shared
     assert [r["tokens"] for r in packed_records] == [r["tokens"] for r in plain_records]  # the same real tokens
@@ -205,7 +207,7 @@ def test_training_with_packing_follows_the_padded_run(target, examples, tmp_path
 def test_on_policy_batches_are_generated_padded_and_packed_for_the_loss(target, examples, tmp_path, packed_shapes):
     fields = dict(batch_size=4, max_seq_len=40, max_steps=1, on_policy_fraction=1.0)
     torch.manual_seed(0)
-    _, plain, _ = _train(target, _online(examples), tmp_path, "plain", **fields)
+    _, plain, _ = _train(target, _online(examples), tmp_path, "plain", packing=False, **fields)
     torch.manual_seed(0)
     _, packed, _ = _train(target, _online(examples), tmp_path, "packed", packing=True, **fields)
     assert packed[0]["tokens"] == plain[0]["tokens"] > 0  # the same sampled answers
@@ -218,7 +220,7 @@ def test_check_packing_accepts_attention_that_keeps_examples_apart(attention):
     check_packing(_model(2, seed=4, attn_implementation=attention), "the drafter")
 
 
-def test_check_packing_refuses_a_model_that_attends_across_examples(target, examples, tmp_path, monkeypatch):
+def test_check_packing_refuses_a_model_that_attends_across_examples(target, examples, tmp_path, monkeypatch, caplog):
     # as if transformers did not read the example boundaries from the position ids
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     with pytest.raises(DraftsmithError, match="the target .*attends across packed examples.*packing=false"):
@@ -226,6 +228,11 @@ def test_check_packing_refuses_a_model_that_attends_across_examples(target, exam
     with pytest.raises(DraftsmithError, match="the drafter"):
         train_drafter(_lora_drafter(target), target, _online(examples), loop_settings(packing=True),
                       output_dir=tmp_path, progress=False)
+    # the default (null) trains padded instead, says so, and records it
+    with caplog.at_level(logging.WARNING, logger="distill.training.loop"):
+        result = train_drafter(_lora_drafter(target), target, _online(examples), loop_settings(max_steps=1),
+                               output_dir=tmp_path / "auto", progress=False)
+    assert result["packing"] is False and "training with padded micro-batches" in caplog.text
     # a reduced-vocabulary head's -inf logits outside its tokens do not hide the difference
     reduced = reduce_vocabulary(_model(2, seed=5), torch.arange(0, target.config.vocab_size, 2))
     with pytest.raises(DraftsmithError, match="reduced drafter .*attends across packed examples"):
