@@ -465,8 +465,11 @@ def _load_models(cfg: Config, distill_dir: Path):
         DraftsmithError: the drafter was tuned for another target than ``target.name``.
     """
     t0 = time.perf_counter()
+    # one line per model: loading and making int8 take 40-60 s in all on a CPU, which a silent terminal hides
+    print(f"evaluate: loading the target {cfg.target.name} ({cfg.target.dtype})", flush=True)
     target, tokenizer, target_res = load_model(cfg.target.name, dtype=cfg.target.dtype)
     target = target.to(process_device())
+    print(f"evaluate: loading the distilled drafter from {distill_dir}", flush=True)
     tuned, info = load_tuned_drafter(distill_dir, cfg.drafter.dtype)
     if info["target_fingerprint"] != target_res.fingerprint:
         raise DraftsmithError(
@@ -528,6 +531,7 @@ def _reference_drafters(cfg: Config, info: dict[str, Any], tuned, tokenizer, tra
     draft_vocab = draft_vocabulary_of(tuned)
     if cfg.evaluate.baseline:  # loaded first: a bad drafter config fails before the long runs
         # the drafter this run started from (its drafter_info), not whatever drafter.* says now
+        print("evaluate: loading the undistilled drafter (the one distill started from)", flush=True)
         base, base_tok, _ = initial_drafter(_as_distilled(cfg, info), dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, base_tok, cfg.target.name, cfg.drafter.name)
         if draft_vocab is not None:
@@ -541,6 +545,7 @@ def _reference_drafters(cfg: Config, info: dict[str, Any], tuned, tokenizer, tra
     if cfg.evaluate.stock_drafter and cut and stock not in names:
         names.append(stock)  # the reference of every against_stock figure
     for name in names:  # loaded up front too, for the same reason
+        print(f"evaluate: loading {name}" + (" (the stock drafter)" if name == stock else ""), flush=True)
         other, other_tok, _ = load_model(name, dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, other_tok, cfg.target.name, name)
         drafters[name] = as_runner(other)
@@ -564,6 +569,7 @@ def _reduced_stock_drafters(cfg: Config, stock: str, tokenizer, train_completion
     """
     reduced = {}
     for size in cfg.evaluate.compare_vocab_sizes:
+        print(f"evaluate: loading the stock drafter with its head cut to {size:,} tokens", flush=True)
         model, model_tok, _ = load_model(stock, dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, model_tok, cfg.target.name, stock)
         try:
