@@ -131,3 +131,24 @@ def test_sampled_reports_do_not_call_their_tau_greedy():
     text = render_report_markdown(report)
     assert "| tau, simulated on every held-out prompt (this report, expected (speculative sampling" in text
     assert "two different quantities" in text and "greedy tau, simulated on every held-out prompt" not in text
+
+
+def test_the_headline_reads_under_sampling_and_greedy():
+    from distill.measure.report import _stock_reach
+
+    sampled = {"mean_accepted_tokens": 3.13, "draft_length": 3}
+    assert _stock_reach(sampled) == "already reaches an expected tau 3.13 at K = 3 under sampling"
+    greedy = {**sampled, "top1_agreement": 0.862}
+    assert _stock_reach(greedy) == ("already picks the target's greedy token at 86.2% of answer positions "
+                                    "(tau 3.13 at K = 3)")
+
+
+def test_the_training_sentence_says_who_wrote_the_answers():
+    report = _report()
+    report["distill_inputs"] = {"generate": "/o/generate/run-a"}
+    report["drafter"]["training_data"] = {"train_examples": 12}
+    report["data"] = {"answers": "dataset", "training_answer_tokens": 5669}
+    assert ("Distilled on 12 examples from `generate/run-a` (5,669 answer tokens, from the dataset, scored by the "
+            "target).") in render_report_markdown(report)
+    report["data"]["answers"] = "target"
+    assert "(5,669 answer tokens, written by the target)." in render_report_markdown(report)
