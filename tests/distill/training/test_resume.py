@@ -253,6 +253,26 @@ def test_disk_full_names_the_path_and_sizes(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".report.json.*"))
 
 
+def test_atomic_dir_replaces_a_folder_only_once_the_new_one_is_whole(tmp_path, monkeypatch):
+    """export.overwrite: the earlier export stays as it was on any failure, and nothing is left beside it."""
+    from distill.files import atomic_dir
+
+    final = tmp_path / "drafter"
+    final.mkdir()
+    (final / "config.json").write_text("old")
+    with pytest.raises(FileExistsError):
+        with atomic_dir(final):
+            pass
+    with pytest.raises(ValueError):
+        with atomic_dir(final, replace=True) as tmp:
+            (tmp / "config.json").write_text("half")
+            raise ValueError("the reload check failed")
+    assert (final / "config.json").read_text() == "old" and sorted(tmp_path.iterdir()) == [final]
+    with atomic_dir(final, replace=True) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert (final / "config.json").read_text() == "new" and sorted(tmp_path.iterdir()) == [final]
+
+
 def test_atomic_writes_leave_the_modes_a_plain_write_would(tmp_path):
     """mkdtemp/mkstemp make 0700/0600 and safetensors writes 0600: an export must still be readable by others."""
     from distill.files import atomic_dir, write_text_atomic
