@@ -312,6 +312,28 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, cap
     assert latest_checkpoint(run / "checkpoints") is None
 
 
+def test_a_damaged_checkpoint_named_by_distill_resume_is_refused_with_its_file(tmp_path):
+    """Issue 37 case 9: automatic resume skips a damaged checkpoint, but one the user names is never swapped for
+    another; a cut optimizer.pt gave a PytorchStreamReader traceback after the models had loaded."""
+    import torch
+
+    run = _fake_run(tmp_path, "a", "k1", steps=(5, 10))
+    for step in (5, 10):
+        torch.save({"state": {}}, run / "checkpoints" / f"checkpoint-{step}" / "optimizer.pt")
+    optimizer = run / "checkpoints" / "checkpoint-10" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:20])
+    named = run / "checkpoints" / "checkpoint-10"
+    with pytest.raises(ConfigError, match=r"distill.resume=.*checkpoint-10: the checkpoint cannot be read "
+                                          r"\(optimizer.pt: BadZipFile.*name an earlier one \(distill.resume=.*checkpoint-5\)"):
+        named_checkpoint(str(named))
+    assert named_checkpoint(str(run)).name == "checkpoint-5"  # a run folder named: its newest readable one
+    # refused before any data or model loads: no run folder is made
+    cfg = _compose("experiment=tiny", f"distill.resume={named}", f"outputs={tmp_path / 'out'}")
+    with pytest.raises(ConfigError, match="optimizer.pt"):
+        run_distill(cfg, tmp_path / "out" / "distill" / "x")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.extra
 def test_two_generate_runs_into_one_outputs_take_turns_and_agree(tmp_path):
     """A sweep or a retry can start the same generate twice at once: the second waits for the shard cache's
