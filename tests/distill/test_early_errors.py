@@ -12,6 +12,7 @@ from tests.distill.test_config import cli_in_process
 
 
 def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr("distill.tracking.socket.create_connection", lambda *a, **k: _Closable())  # a network
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     with pytest.raises(ConfigError, match="wandb login"):
@@ -23,6 +24,31 @@ def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     monkeypatch.setenv("WANDB_API_KEY", "abc123")
     check_logger(LoggerConfig(kind="wandb", mode="online"))
+
+
+class _Closable:
+    def close(self) -> None:
+        pass
+
+
+def test_wandb_online_without_a_network_is_refused_before_any_work(monkeypatch, tmp_path):
+    """Issue 37 case 10: with a key but no network, wandb let generate finish its work, then timed out (~90 s)
+    with a CommError traceback and the stage was never marked COMPLETE."""
+    def no_network(address, timeout=None):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr("distill.tracking.socket.create_connection", no_network)
+    monkeypatch.setenv("WANDB_API_KEY", "abc123")
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    with pytest.raises(ConfigError, match=r"api.wandb.ai:443 cannot be reached .*Network is unreachable.*"
+                                          r"logger.mode=offline"):
+        check_logger(LoggerConfig(kind="wandb", mode="online"))
+    check_logger(LoggerConfig(kind="wandb", mode="offline"))  # offline needs no network
+    proc = cli_in_process("generate", "experiment=tiny", "logger=wandb", "logger.mode=online",
+                          f"outputs={tmp_path}/out", cwd=tmp_path)
+    assert proc.returncode == 2 and "cannot be reached" in proc.stderr, proc.stderr[-1000:]
+    assert not list((tmp_path / "out").glob("generate/*"))
 
 
 def test_wandb_online_without_a_key_fails_before_any_run_folder(tmp_path):

@@ -905,3 +905,30 @@ def test_export_refuses_a_damaged_evaluation_instead_of_dropping_it_from_the_car
                              f"outputs={tmp_path / 'outputs'}", cwd=root)
     _refused(refused, f"run {run / 'evaluate'} is damaged: manifest.json is empty", "inputs.evaluate=")
     assert not list((tmp_path / "outputs").glob("export/*/drafter-hf"))
+
+
+def test_a_logger_that_fails_at_finish_never_loses_a_finished_stage(tiny_run, tmp_path, monkeypatch):
+    """Issue 37 case 10: wandb online lost its network; its timeout at finish (a CommError) ended the stage with a
+    traceback before COMPLETE was written, although the stage's outputs were whole."""
+    import wandb
+
+    class LostNetwork:
+        summary: dict = {}
+        dir = str(tmp_path / "wandb" / "run-1" / "files")
+
+        def log(self, *args, **kwargs):
+            pass
+
+        def finish(self):
+            raise wandb.errors.CommError("Run initialization has timed out after 90.0 sec.")
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: LostNetwork())
+    root, proc = tiny_run
+    run = _pipeline_copy(proc, tmp_path / "run")
+    done = cli_in_process("export", "experiment=tiny", "logger=wandb", f"inputs.distill={run / 'distill'}",
+                          f"outputs={tmp_path / 'out'}", cwd=root)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "warning: wandb could not finish (CommError: Run initialization has timed out" in done.stderr
+    assert f"`wandb sync {tmp_path / 'wandb' / 'run-1'}`" in done.stderr
+    [export] = list((tmp_path / "out").glob("export/*"))
+    assert (export / COMPLETE).is_file() and (export / "drafter-hf" / "config.json").is_file()
