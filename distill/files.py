@@ -48,12 +48,21 @@ def human_bytes(count: float) -> str:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename (never half-written).
+
+    Raises:
+        DiskFullError: the disk filled up; the temporary file is removed and ``path`` is as it was.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         make_shareable(Path(tmp))
@@ -61,7 +70,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _disk_full(err, path, len(text.encode())) from err
+            raise _disk_full(err, path, len(data)) from err
         raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -932,3 +932,38 @@ def test_a_logger_that_fails_at_finish_never_loses_a_finished_stage(tiny_run, tm
     assert f"`wandb sync {tmp_path / 'wandb' / 'run-1'}`" in done.stderr
     [export] = list((tmp_path / "out").glob("export/*"))
     assert (export / COMPLETE).is_file() and (export / "drafter-hf" / "config.json").is_file()
+
+
+def test_a_disk_that_fills_up_while_evaluate_draws_its_plots_ends_with_one_line(tiny_run, tmp_path, monkeypatch):
+    """Issue 37 case 7: with room for report.json but not for the PNGs, evaluate ended with matplotlib's
+    ``OSError: [Errno 28]`` traceback; it gives the disk-full line, and the measured report.json stays."""
+    import errno
+
+    import matplotlib.figure
+
+    def full_for_images(target: str | Path) -> None:
+        if str(target).endswith(".png"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    draw, rename = matplotlib.figure.Figure.savefig, os.replace
+
+    def savefig(self, fname, *args, **kwargs):  # matplotlib writing the file itself
+        full_for_images(fname if isinstance(fname, (str, Path)) else getattr(fname, "name", ""))
+        return draw(self, fname, *args, **kwargs)
+
+    def replace(src, dst, *args, **kwargs):  # an atomic write publishing it
+        full_for_images(dst)
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    monkeypatch.setattr("distill.files.os.replace", replace)
+    root, proc = tiny_run
+    run = _pipeline_copy(proc, tmp_path / "run")
+    out = tmp_path / "out"
+    failed = cli_in_process("evaluate", "experiment=tiny", f"inputs.distill={run / 'distill'}",
+                            "evaluate.hf_assisted=false", f"outputs={out}", cwd=root)
+    _refused(failed, "the disk filled up while writing", ".png", "run the same command again")
+    [evaluate] = list(out.glob("evaluate/*"))
+    report = json.loads((evaluate / "report.json").read_text())
+    assert report["acceptance_rate"] is not None and not (evaluate / COMPLETE).exists()
+    assert not list(evaluate.glob("*.png")) and not list(evaluate.glob(".*.tmp"))
