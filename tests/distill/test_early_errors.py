@@ -79,6 +79,22 @@ def test_a_bad_value_in_a_sweep_stops_it_before_the_first_job(tmp_path):
     assert "no job was started" in proc.stderr and not (tmp_path / "out").exists()
 
 
+def test_a_sweep_asking_for_more_prompts_than_the_set_holds_stops_before_the_first_job(tmp_path):
+    """Issue 37 case 11: docs/runs.md promised every job's settings checked before the first starts, yet job 1 of
+    `evaluate.num_prompts=100000,3` generated, then failed on the prompt count."""
+    proc = cli_in_process("pipeline", "-m", "experiment=tiny", f"outputs={tmp_path}/out",
+                          "evaluate.num_prompts=3,100000", cwd=tmp_path)
+    assert proc.returncode == 2 and "job evaluate.num_prompts=100000" in proc.stderr, proc.stderr[-1000:]
+    assert "only 164 distinct prompts" in proc.stderr and "no job was started" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(6)))
+    proc = cli_in_process("generate", "-m", "experiment=tiny", "data=file", f"data.path={prompts}",
+                          f"outputs={tmp_path}/out", "generate.num_prompts=2,5", "evaluate.num_prompts=3", cwd=tmp_path)
+    assert proc.returncode == 2 and "job generate.num_prompts=5" in proc.stderr, proc.stderr[-1000:]
+    assert "only 6 distinct prompts" in proc.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("override, suggestion", [
     ("distill.lrr=1e-4", "did you mean distill.lr"),
     ("distill.draft_length=4", "did you mean decode.draft_length"),
