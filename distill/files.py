@@ -135,7 +135,10 @@ def atomic_dir(final: Path, needed_bytes: int | None = None, replace: bool = Fal
     try:
         yield tmp
         make_shareable(tmp)
-        _publish(tmp, final)
+        if replace:
+            _publish(tmp, final)
+        else:  # fails when another process renamed a folder to ``final`` meanwhile: theirs is kept
+            os.replace(tmp, final)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
