@@ -232,7 +232,7 @@ def find_latest(outputs: str | Path, stage: str, where: Callable[[dict], bool] |
         try:
             manifest = read_manifest(folder)
         except DamagedRunError as err:
-            if recorded_stage(folder) in (stage, None):
+            if recorded_stage(folder) == stage:  # neither manifest nor config.yaml says: not a run folder
                 damaged.append((folder, err))
             continue
         if manifest.get("stage") == stage and (where is None or where(manifest)):

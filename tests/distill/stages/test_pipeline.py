@@ -967,3 +967,23 @@ def test_a_disk_that_fills_up_while_evaluate_draws_its_plots_ends_with_one_line(
     report = json.loads((evaluate / "report.json").read_text())
     assert report["acceptance_rate"] is not None and not (evaluate / COMPLETE).exists()
     assert not list(evaluate.glob("*.png")) and not list(evaluate.glob(".*.tmp"))
+
+
+def test_a_complete_marker_outside_any_run_folder_is_not_taken_for_a_damaged_run(tmp_path):
+    """find_latest refuses only for a damaged run of the stage asked for: a stray COMPLETE (no manifest, no
+    config.yaml) or a damaged run of another stage is passed over."""
+    from distill.errors import DamagedRunError, IncompleteRunError
+    from distill.runs import find_latest
+
+    (tmp_path / "stray").mkdir()
+    (tmp_path / "stray" / COMPLETE).write_text("")
+    other = tmp_path / "generate" / "run"
+    other.mkdir(parents=True)
+    (other / "config.yaml").write_text("stage: generate\n")
+    (other / "manifest.json").write_text("{")
+    (other / COMPLETE).write_text("")
+    with pytest.raises(IncompleteRunError, match="no finished distill run") as refused:
+        find_latest(tmp_path, "distill")
+    assert not isinstance(refused.value, DamagedRunError)
+    with pytest.raises(DamagedRunError, match=r"generate/run is damaged: manifest.json cannot be read"):
+        find_latest(tmp_path, "generate")
