@@ -833,8 +833,8 @@ def test_export_never_replaces_another_export_runs_drafter(tiny_run, tmp_path):
     run = _pipeline_copy(proc, tmp_path / "fkl")
     exported = run / "export" / "drafter-hf"
     before = {p.name: p.read_bytes() for p in exported.iterdir()}
-    refused = cli_in_process("export", "experiment=tiny", f"inputs.distill={run / 'distill'}", f"export.path={exported}",
-                             "export.overwrite=true", f"outputs={tmp_path / 'out'}", cwd=root)
+    refused = cli_in_process("export", "experiment=tiny", f"inputs.distill={run / 'distill'}",
+                             f"export.path={exported}", "export.overwrite=true", f"outputs={tmp_path / 'out'}", cwd=root)
     _refused(refused, f"{exported} is inside the export run {run / 'export'}", "choose another export.path")
     assert {p.name: p.read_bytes() for p in exported.iterdir()} == before
 
@@ -883,7 +883,8 @@ def test_a_damaged_manifest_is_named_and_no_older_run_is_taken_in_its_place(tiny
         refused = cli_in_process(stage, "experiment=tiny", f"outputs={out}", cwd=root)
         _refused(refused, f"run {new / 'distill'} is damaged: manifest.json cannot be read",
                  "`draftsmith pipeline experiment=tiny", f"the newest intact one is {old / 'distill'}")
-        named = cli_in_process(stage, "experiment=tiny", f"inputs.distill={new / 'distill'}", f"outputs={out}", cwd=root)
+        named = cli_in_process(stage, "experiment=tiny", f"inputs.distill={new / 'distill'}", f"outputs={out}",
+                               cwd=root)
         _refused(named, f"run {new / 'distill'} is damaged: manifest.json cannot be read",
                  "pass inputs.distill=<another finished distill run>")
     assert not list(out.glob("export/*"))

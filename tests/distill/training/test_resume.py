@@ -324,7 +324,8 @@ def test_a_damaged_checkpoint_named_by_distill_resume_is_refused_with_its_file(t
     optimizer.write_bytes(optimizer.read_bytes()[:20])
     named = run / "checkpoints" / "checkpoint-10"
     with pytest.raises(ConfigError, match=r"distill.resume=.*checkpoint-10: the checkpoint cannot be read "
-                                          r"\(optimizer.pt: BadZipFile.*name an earlier one \(distill.resume=.*checkpoint-5\)"):
+                                          r"\(optimizer.pt: BadZipFile.*name an earlier one "
+                                          r"\(distill.resume=.*checkpoint-5\)"):
         named_checkpoint(str(named))
     assert named_checkpoint(str(run)).name == "checkpoint-5"  # a run folder named: its newest readable one
     # refused before any data or model loads: no run folder is made
