@@ -48,12 +48,21 @@ def human_bytes(count: float) -> str:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename (never half-written).
+
+    Raises:
+        DiskFullError: the disk filled up; the temporary file is removed and ``path`` is as it was.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         make_shareable(Path(tmp))
@@ -61,7 +70,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _disk_full(err, path, len(text.encode())) from err
+            raise _disk_full(err, path, len(data)) from err
         raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -102,19 +111,22 @@ def _disk_full(err: OSError, path: Path, needed_bytes: int | None) -> DiskFullEr
 
 
 @contextmanager
-def atomic_dir(final: Path, needed_bytes: int | None = None) -> Iterator[Path]:
+def atomic_dir(final: Path, needed_bytes: int | None = None, replace: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling folder, renamed to ``final`` when the block ends without error.
 
     Args:
         needed_bytes: the expected size of what goes in; checked against the free space first.
+        replace: an existing folder ``final`` (not a link: the caller resolves links first) is swapped out for
+            the new one only once the new one is whole, then deleted; on any failure it is left as it was.
 
     Raises:
-        FileExistsError: ``final`` already exists (the caller decides about overwriting first).
+        FileExistsError: ``final`` already exists and ``replace`` is false (the caller decides about
+            overwriting first).
         DiskFullError: too little free space before, or the disk filled up while writing.
         ConcurrentWriteError: another process renamed a folder to ``final`` first.
     """
     final = Path(final)
-    if final.exists():
+    if final.exists() and not (replace and final.is_dir() and not final.is_symlink()):
         raise FileExistsError(f"{final} already exists")
     if needed_bytes:
         require_free_space(final.parent, needed_bytes, final.name)
@@ -123,7 +135,10 @@ def atomic_dir(final: Path, needed_bytes: int | None = None) -> Iterator[Path]:
     try:
         yield tmp
         make_shareable(tmp)
-        os.replace(tmp, final)
+        if replace:
+            _publish(tmp, final)
+        else:  # fails when another process renamed a folder to ``final`` meanwhile: theirs is kept
+            os.replace(tmp, final)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -136,6 +151,22 @@ def atomic_dir(final: Path, needed_bytes: int | None = None) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``final``; an existing ``final`` is moved aside first, put back if
+    the rename fails, and deleted only once the new folder is in place."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".old"))
+    os.replace(final, old)  # a rename onto an empty folder: the old folder now lives at ``old``
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def hold_lock(path: Path) -> IO[str]:

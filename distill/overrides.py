@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from distill.config import CONF_DIR, to_config
-from distill.errors import ConfigError
+from distill.errors import ConfigError, PromptError
 
 # Hydra flags that take a value (the next word), e.g. `--cfg job`.
 _VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -193,8 +193,9 @@ def refuse_scalars_for_lists(stage: str, overrides: list[str]) -> None:
 
 
 def refuse_bad_sweep_values(stage: str, flags: list[str], overrides: list[str], limit: int = 256) -> None:
-    """With ``-m``: compose every combination of the swept values and check it, so that a bad value stops the
-    sweep before its first job runs (Hydra would find it only when that job starts, maybe hours in)."""
+    """With ``-m``: compose every combination of the swept values and check it (values, input folders, prompt
+    counts against the prompt set), so that a bad value stops the sweep before its first job runs (Hydra would
+    find it only when that job starts, maybe hours in)."""
     if not {"-m", "--multirun"} & set(flags):
         return
     from hydra import compose, initialize_config_dir
@@ -211,6 +212,7 @@ def refuse_bad_sweep_values(stage: str, flags: list[str], overrides: list[str], 
         else:  # ranges, intervals: the sweeper's business
             return
     combinations = list(itertools.islice(itertools.product(*choices), limit))
+    prompt_sets: dict[tuple, list] = {}  # each prompt source read once for all the jobs
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for combination in combinations:
             try:
@@ -220,13 +222,37 @@ def refuse_bad_sweep_values(stage: str, flags: list[str], overrides: list[str], 
                         ("extra_generate", f) for f in inputs.extra_generate]:
                     if folder and not Path(folder).expanduser().is_dir():
                         raise ConfigError(f"inputs.{key}={folder} does not exist: pass a finished run's folder")
-            except ConfigError as err:
+                _check_prompt_counts(stage, config, prompt_sets)
+            except (ConfigError, PromptError) as err:
                 swept = " ".join(c for c, options in zip(combination, choices) if len(options) > 1)
                 print(f"draftsmith {stage}: config error in the sweep's job {swept}: {err}; no job was started",
                       file=sys.stderr)
                 sys.exit(2)
             except Exception:  # noqa: BLE001 (composition errors: Hydra reports them itself, with its own words)
                 return
+
+
+def _check_prompt_counts(stage: str, config, prompt_sets: dict[tuple, list]) -> None:
+    """For a job that answers prompts (generate, or a pipeline not given a generate or distill run): the
+    training and held-out counts fit the prompt set, as the job's own split would find (without
+    ``data.max_prompt_tokens``, which needs the tokenizer; ``data=sharegpt``'s ~90,000 prompts are not read).
+
+    Raises:
+        ConfigError: more prompts asked for than the set holds (the split's own message).
+        PromptError: the prompt file is missing or malformed.
+    """
+    from distill.data.prompts import load_prompts, split_prompts
+
+    data = config.data
+    if stage not in ("generate", "pipeline") or data.source == "sharegpt" or \
+            (stage == "pipeline" and (config.inputs.generate or config.inputs.distill)):
+        return
+    key = (data.source, data.path, data.on_bad_line, data.mixed_sharegpt)
+    if key not in prompt_sets:
+        prompt_sets[key] = load_prompts(data.source, data.path, on_bad_line=data.on_bad_line, skipped=[],
+                                        sharegpt_turns=data.mixed_sharegpt)
+    split_prompts(prompt_sets[key], num_train=config.generate.num_prompts, num_eval=config.evaluate.num_prompts,
+                  seed=data.seed)
 
 
 # What a pipeline given a finished run (inputs.<stage>) no longer does: settings of these groups would not apply.

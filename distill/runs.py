@@ -92,6 +92,15 @@ def artifact_sizes(run: Path, names: Sequence[str]) -> dict[str, int]:
     return sizes
 
 
+def record_rewritten(run: Path, names: Sequence[str]) -> None:
+    """After the files ``names`` of the finished run ``run`` were rewritten on purpose (the pipeline adds its
+    stages' figures to evaluate's report.json), record their new sizes, so :func:`run_damage` does not take
+    them for damage."""
+    manifest = read_manifest(run)
+    manifest[FILE_SIZES] = {**manifest.get(FILE_SIZES, {}), **artifact_sizes(run, names)}
+    write_json_atomic(Path(run) / MANIFEST, manifest)
+
+
 def run_damage(run: Path, manifest: dict[str, Any]) -> str | None:
     """What is wrong with a finished run's files against the sizes its manifest recorded, or None. A size
     check is cheap (no reading) and catches what a full disk, a killed copy or a sync leaves: a cut file."""
@@ -116,7 +125,7 @@ def rerun_command(run: Path) -> str | None:
                 return None
             stage = next((a.split("=", 1)[1] for a in args if a.startswith("stage=")), None)
             rest = [a for a in args if not a.startswith("stage=")]
-            return shlex.join(["draftsmith", stage or read_manifest(run).get("stage", "<stage>"), *rest])
+            return shlex.join(["draftsmith", stage or recorded_stage(run) or "<stage>", *rest])
     return None
 
 
@@ -125,7 +134,33 @@ def is_complete(path: Path) -> bool:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    return json.loads((Path(path) / MANIFEST).read_text())
+    """The manifest of the run folder ``path``.
+
+    Raises:
+        DamagedRunError: the manifest is missing, unreadable or not a JSON object (cut short by a full disk or a
+            killed copy); the message names the file and the command that writes the run again.
+    """
+    file = Path(path) / MANIFEST
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        problem = "is empty" if file.is_file() and file.stat().st_size == 0 else \
+            f"cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        raise DamagedRunError(_damaged(Path(path), f"{MANIFEST} {problem}")) from err
+    if not isinstance(manifest, dict):
+        raise DamagedRunError(_damaged(Path(path), f"{MANIFEST} is not a JSON object"))
+    return manifest
+
+
+def _damaged(run: Path, damage: str, stage: str = "", key: str | None = None) -> str:
+    """The one line that names a damaged finished run, what is wrong and the command that writes it again
+    (and ``key``, the setting that picks another run, when there is one)."""
+    command = rerun_command(run)
+    again = f"`{command}` (the command that made it)" if command else \
+        f"the command that made it (its settings are in {run / 'config.yaml'})"
+    instead = f", or pass {key}=<another finished {stage} run>" if key else ""
+    return (f"the finished {stage + ' ' if stage else ''}run {run} is damaged: {damage} (cut short or changed since "
+            f"it finished). Run {again} again: it writes a new run, reusing what is intact{instead}")
 
 
 REUSED = "reused.json"  # in a sweep's job folder: {"<stage>_run": the finished run that the job returned}
@@ -157,18 +192,29 @@ def require_complete(path: str | Path, stage: str, key: str | None = None) -> Pa
         raise IncompleteRunError(
             f"{path} has no {COMPLETE} marker: that {stage} run did not finish. Re-run it with the same "
             f"command (it resumes), or pass {key}=<a finished run folder>")
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except DamagedRunError as err:
+        raise DamagedRunError(f"{err}, or pass {key}=<another finished {stage} run>") from err
     found = manifest.get("stage")
     if found != stage:
         raise IncompleteRunError(f"{path} is a run of stage {found!r}, not {stage!r}: pass {key}=<a {stage} run folder>")
     if damage := run_damage(path, manifest):
-        command = rerun_command(path)
-        again = f"`{command}` (the command that made it)" if command else \
-            f"the command that made it (its settings are in {path / 'config.yaml'})"
-        raise DamagedRunError(f"the finished {stage} run {path} is damaged: {damage} (cut short or changed since it "
-                              f"finished). Run {again} again: it writes a new run, reusing what is intact, "
-                              f"or pass {key}=<another finished {stage} run>")
+        raise DamagedRunError(_damaged(path, damage, stage, key))
     return path
+
+
+def recorded_stage(run: Path) -> str | None:
+    """The stage that wrote ``run``, from its manifest or, when that cannot be read, its ``config.yaml`` (a
+    pipeline names each stage's folder after the stage); None when neither says."""
+    for read in (lambda: json.loads((run / MANIFEST).read_text())["stage"],
+                 lambda: yaml.safe_load((run / "config.yaml").read_text())["stage"]):
+        try:
+            stage = read()
+        except Exception:  # noqa: BLE001 (unreadable, cut, not a mapping: this source does not say)
+            continue
+        return run.name if stage == "pipeline" else str(stage)
+    return None
 
 
 def find_latest(outputs: str | Path, stage: str, where: Callable[[dict], bool] | None = None) -> Path:
@@ -177,20 +223,30 @@ def find_latest(outputs: str | Path, stage: str, where: Callable[[dict], bool] |
 
     Raises:
         IncompleteRunError: there is none.
+        DamagedRunError: the newest finished run of ``stage`` has a manifest that cannot be read (it may be the
+            one wanted, so an older run is never taken in its place without a word).
     """
-    candidates = []
+    candidates, damaged = [], []
     for marker in Path(outputs).glob(f"**/{COMPLETE}"):
         folder = marker.parent
         try:
             manifest = read_manifest(folder)
-        except (OSError, json.JSONDecodeError):
+        except DamagedRunError as err:
+            if recorded_stage(folder) == stage:  # neither manifest nor config.yaml says: not a run folder
+                damaged.append((folder, err))
             continue
         if manifest.get("stage") == stage and (where is None or where(manifest)):
             candidates.append(folder)
-    if not candidates:
+    newest = max([*candidates, *(f for f, _ in damaged)], key=lambda p: (p / COMPLETE).stat().st_mtime, default=None)
+    if newest is None:
         raise IncompleteRunError(
             f"no finished {stage} run under {outputs}/: run `draftsmith {stage}` first or pass inputs.{stage}=<folder>")
-    return max(candidates, key=lambda p: (p / COMPLETE).stat().st_mtime)
+    if newest not in candidates:
+        older = max(candidates, key=lambda p: (p / COMPLETE).stat().st_mtime, default=None)
+        fallback = f" (the newest intact one is {older})" if older else ""
+        raise DamagedRunError(f"{dict(damaged)[newest]}; it is the newest {stage} run under {outputs}/, so no older "
+                              f"one is taken in its place: pass inputs.{stage}=<a finished {stage} run>{fallback}")
+    return newest
 
 
 def resolve_input(given: str | None, outputs: str | Path, stage: str) -> Path:

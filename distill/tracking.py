@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import netrc
 import os
+import socket
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -90,7 +92,15 @@ class WandbLogger:
         self._console.summary(metrics)  # the same one-line summary as the other loggers print
 
     def finish(self) -> None:
-        self.run.finish()
+        """End the wandb run. A failure here (online, the network gone: wandb times out and raises) is a
+        warning: the stage's work is whole and its run folder must still be marked COMPLETE."""
+        try:
+            self.run.finish()
+        except Exception as err:  # noqa: BLE001 (wandb's CommError and whatever its service raises)
+            where = Path(getattr(self.run, "dir", "") or ".").parent  # run.dir is <run>/wandb/<wandb run>/files
+            reason = (str(err).splitlines() or [""])[0][:200]
+            print(f"warning: wandb could not finish ({type(err).__name__}: {reason}); the stage's outputs are "
+                  f"whole. Its figures stay in {where}: `wandb sync {where}` uploads them", file=sys.stderr, flush=True)
 
 
 def run_name(stage: str, run_dir: Path) -> str:
@@ -106,20 +116,51 @@ _ONLINE_HELP = ("run `wandb login` (or set WANDB_API_KEY), or keep logger.mode=o
 
 def check_logger(cfg: LoggerConfig) -> None:
     """Refuse, before any work starts, ``logger.mode=online`` for wandb without credentials (no
-    ``WANDB_API_KEY`` and no netrc entry for the wandb host, where ``wandb login`` writes the key).
+    ``WANDB_API_KEY`` and no netrc entry for the wandb host, where ``wandb login`` writes the key) or without
+    a way to the server.
 
     Raises:
-        ConfigError: wandb online without an API key; the message says what to do.
+        ConfigError: wandb online without an API key, or its server cannot be reached; the message says what
+            to do.
     """
-    if cfg.kind != "wandb" or cfg.mode != "online" or os.environ.get("WANDB_API_KEY"):
+    if cfg.kind != "wandb" or cfg.mode != "online":
         return
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    if not os.environ.get("WANDB_API_KEY"):
+        _check_key(urlparse(base_url).hostname)
+    _check_reachable(base_url)
+
+
+def _check_key(host: str | None) -> None:
+    """Refuse when netrc holds no W&B key for ``host`` (``wandb login`` writes it there)."""
     try:
         found = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
     except (OSError, netrc.NetrcParseError):  # no ~/.netrc, or one wandb could not read either
         found = None
     if not found:
         raise ConfigError(f"logger.mode=online needs a W&B API key and none is configured for {host}: {_ONLINE_HELP}")
+
+
+def _check_reachable(base_url: str, timeout_s: float = 10.0) -> None:
+    """Refuse online logging when the W&B server (or the proxy in ``HTTPS_PROXY``) does not answer a TCP
+    connect: without it wandb lets the stage do its work, then times out at the end (about 90 s).
+
+    Raises:
+        ConfigError: the host cannot be reached; the message names it and the offline alternative.
+    """
+    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)),
+                 None)
+    url = urlparse(proxy or base_url)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    if not host:  # a proxy written without a scheme: wandb's own client reads it; not worth guessing here
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(f"logger.mode=online: {'the proxy ' if proxy else ''}{host}:{port} cannot be reached "
+                          f"({err}), so the run could not be uploaded: check the network, or keep "
+                          f"logger.mode=offline (the default) and upload later with "
+                          f"`wandb sync <run>/wandb/offline-run-*`") from err
 
 
 def make_logger(cfg: LoggerConfig, name: str, run_dir: Path, config: dict[str, Any] | None = None) -> Logger:

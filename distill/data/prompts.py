@@ -21,11 +21,13 @@ has the target score it instead of writing its own (:mod:`distill.data.scoring`)
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import importlib.util
 import itertools
 import json
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,6 +238,9 @@ def _load_file(path: Path, on_bad_line: str = "error", skipped: list[str] | None
                key: str = "data.path") -> list[Prompt]:
     if path.is_dir():
         raise PromptError(f"{path} is a folder, not a prompt file; set {key} to a .jsonl or .txt file.")
+    if path.exists() and not path.is_file():  # a named pipe, socket or device: reading it may block or never end
+        raise PromptError(f"Prompt file {path} is {_file_kind(path)}, not a regular file; save the prompts to a "
+                          f".jsonl or .txt file and set {key} to it.")
     if not path.is_file():
         raise PromptError(f"Prompt file {path} does not exist; check {key}.")
     suffix = path.suffix.lower()
@@ -277,11 +282,23 @@ def _load_file(path: Path, on_bad_line: str = "error", skipped: list[str] | None
     return prompts
 
 
+def _file_kind(path: Path) -> str:
+    """What a path that is neither a file nor a folder is, in words ("a named pipe (FIFO)", ...)."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
 def _utf8_lines(path: Path) -> list[tuple[int, str, str | None]]:
     """``(line number, text, error)`` per line of ``path``: a line that is not UTF-8 gets an error that says
-    where (another encoding, e.g. Latin-1, or binary data) instead of failing the whole file."""
+    where (another encoding, e.g. Latin-1, or binary data) instead of failing the whole file. A leading
+    byte-order mark (what Windows editors write for "UTF-8") is dropped, as ``utf-8-sig`` reads it: kept, it
+    would be tokenized into the first prompt."""
     lines = []
-    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+    data = path.read_bytes()
+    data = data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
+    for number, raw in enumerate(data.splitlines(), start=1):
         try:
             lines.append((number, raw.decode("utf-8"), None))
         except UnicodeDecodeError as exc:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
-from distill.files import write_text_atomic
+from distill.files import write_bytes_atomic, write_text_atomic
 
 _ROWS = [  # (label, key, format)
     ("acceptance rate (accepted / drafted tokens)", "acceptance_rate", "{:.3f}"),
@@ -502,6 +503,17 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
     return [path for path in plots if path is not None]
 
 
+def _save(plt, fig, path: Path) -> None:
+    """Write ``fig`` as a PNG to ``path`` atomically and close it: a full disk ends with one
+    :class:`~distill.errors.DiskFullError` line and no cut image (matplotlib's own write gives a traceback)."""
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
 def _plot_acceptance_by_position(plt, report: dict[str, Any], base: dict[str, Any], folder: Path) -> Path | None:
     """One plot of :func:`write_report_plots` into ``folder``; its path, or None when the report lacks its figures."""
     pos, source = per_position(report)
@@ -518,8 +530,7 @@ def _plot_acceptance_by_position(plt, report: dict[str, Any], base: dict[str, An
         ax.legend()
         fig.tight_layout()
         path = folder / "acceptance_by_position.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        _save(plt, fig, path)
         return path
     return None
 
@@ -539,8 +550,7 @@ def _plot_tokens_per_s(plt, report: dict[str, Any], base: dict[str, Any], folder
         ax.set(ylabel="decode tokens/s", title="Decoding speed on held-out prompts")
         fig.tight_layout()
         path = folder / "tokens_per_s.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        _save(plt, fig, path)
         return path
     return None
 
@@ -564,8 +574,7 @@ def _plot_speedup_vs_k(plt, report: dict[str, Any], base: dict[str, Any], folder
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = folder / "speedup_vs_k.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        _save(plt, fig, path)
         return path
     return None
 
@@ -597,8 +606,7 @@ def _plot_expected_vs_measured(plt, report: dict[str, Any], base: dict[str, Any]
         ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
         path = folder / "expected_vs_measured_acceptance.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        _save(plt, fig, path)
         return path
     return None
 
@@ -622,8 +630,7 @@ def _plot_simulated_vs_k(plt, report: dict[str, Any], base: dict[str, Any], fold
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = folder / "simulated_vs_k.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        _save(plt, fig, path)
         return path
     return None
 
@@ -659,8 +666,7 @@ def _plot_training(plt, report: dict[str, Any], base: dict[str, Any], folder: Pa
             ax.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize=8)
             fig.tight_layout()
             path = folder / "training.png"
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
+            _save(plt, fig, path)
             return path
     return None
 

@@ -480,14 +480,16 @@ def _load_models(cfg: Config, distill_dir: Path):
 
 
 def _write_report(cfg: Config, report: dict[str, Any], run_dir: Path, distill_dir: Path) -> Path:
-    """The host and engine figures, the plots, ``report.json`` (atomically), the logger's copy and ``report.md``;
-    returns the path of ``report.json``."""
+    """The host and engine figures, ``report.json`` (atomically), the plots, the logger's copy and ``report.md``;
+    returns the path of ``report.json``. The report is written before the plots, so a disk that fills up while
+    they are drawn (one :class:`DiskFullError` line) leaves the measured figures on disk."""
     report["engine"] = (f"torch {torch.__version__} (transformers), {torch.get_num_threads()} CPU threads"
                         if not torch.cuda.is_available() else f"torch {torch.__version__} (transformers), CUDA")
     report["hardware"] = hardware()  # the host kind every speed figure depends on
+    report_path = run_dir / REPORT_JSON
+    write_json_atomic(report_path, {**report, "plots": []})
     plots = write_report_plots(report, run_dir, training_metrics=distill_dir / "checkpoints" / "metrics.jsonl")
     report["plots"] = [str(p) for p in plots]
-    report_path = run_dir / REPORT_JSON
     write_json_atomic(report_path, report)
     _log_report(cfg, run_dir, report, plots)
     write_report_markdown(report, run_dir / REPORT_MD)

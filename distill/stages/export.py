@@ -22,13 +22,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from distill.config import Config
 from distill.drafters.build import describe_layers, state_dict_bytes
 from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO
-from distill.errors import DraftsmithError
+from distill.errors import ConfigError, DamagedRunError, DraftsmithError, IncompleteRunError
 from distill.files import atomic_dir, write_text_atomic
 from distill.measure.report import REPORT_JSON
 from distill.models.gguf import export_gguf
 from distill.models.loading import resolve_model
 from distill.models.reduced_vocab import DRAFT_VOCAB_FILE
-from distill.runs import MANIFEST, StageRun, find_latest, read_manifest, require_complete, resolve_input
+from distill.runs import (MANIFEST, StageRun, find_latest, read_manifest, recorded_stage, require_complete,
+                         resolve_input)
 from distill.tracking import make_logger, run_name
 
 EXPORT_DIR = "drafter-hf"
@@ -48,8 +49,10 @@ def _report_for(cfg: Config, distill_dir: Path) -> tuple[dict[str, Any] | None, 
             return Path(manifest.get("inputs", {}).get("distill", "")).resolve() == distill_dir.resolve()
 
         try:
-            eval_dir = find_latest(cfg.outputs, "evaluate", where=measured_this)
-        except DraftsmithError:
+            eval_dir = require_complete(find_latest(cfg.outputs, "evaluate", where=measured_this), "evaluate")
+        except DamagedRunError:  # the newest evaluate run may be this drafter's: never drop its figures quietly
+            raise
+        except IncompleteRunError:
             return None, None
     return json.loads((eval_dir / REPORT_JSON).read_text()), eval_dir
 
@@ -189,17 +192,32 @@ _EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "
 
 
 def _run_folder_holding(path: Path) -> Path | None:
-    """The nearest folder at or above ``path`` that is a stage's run folder (it has a manifest), unless that run
-    is an export (whose earlier output overwrite may replace); None when there is none."""
-    for folder in [path, *path.parents]:
-        if (folder / MANIFEST).is_file():
-            return None if read_manifest(folder).get("stage") == "export" else folder
-    return None
+    """The nearest folder at or above ``path`` that is a stage's run folder (it has a manifest); None when
+    there is none."""
+    return next((folder for folder in [path, *path.parents] if (folder / MANIFEST).is_file()), None)
 
 
-def check_export_destination(dest: Path, overwrite: bool) -> None:
+def export_destination(path: str | None, run_dir: Path) -> Path:
+    """Where the export goes: ``export.path`` (``~`` expanded, links resolved, so that the checks and the
+    overwrite act on the folder that is really written) or ``<run_dir>/drafter-hf``.
+
+    Raises:
+        ConfigError: ``export.path`` is a link loop, or a link whose target cannot be followed.
+    """
+    if not path:
+        return Path(run_dir) / EXPORT_DIR
+    given = Path(path).expanduser()
+    try:
+        return given.resolve(strict=False)
+    except (RuntimeError, OSError) as err:  # RuntimeError: Python 3.11's "Symlink loop"
+        raise ConfigError(f"export.path={given} cannot be followed ({err}): it is a symbolic link loop or a "
+                          "link into a folder that cannot be read; set export.path to a real folder") from err
+
+
+def check_export_destination(dest: Path, overwrite: bool, run_dir: Path | None = None) -> None:
     """Refuse a destination that exists, unless it is an empty folder, or ``overwrite`` is set and it is an
-    earlier draftsmith export holding nothing but the files an export writes.
+    earlier draftsmith export outside any other run's folder holding nothing but the files an export writes.
+    ``dest`` is resolved already (:func:`export_destination`); ``run_dir`` is this export's own run folder.
 
     Raises:
         DraftsmithError: ``dest`` exists and may not (or must never) be replaced; the message names what to change.
@@ -211,10 +229,12 @@ def check_export_destination(dest: Path, overwrite: bool) -> None:
     if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
         return
     owner = _run_folder_holding(dest)
-    if owner is not None:
-        raise DraftsmithError(f"{dest} is inside the {read_manifest(owner).get('stage', 'run')} run {owner}: an export "
-                              "never replaces a run's files (they are what its COMPLETE marker vouches for); "
-                              "choose another export.path")
+    if owner is not None and (run_dir is None or owner.resolve() != Path(run_dir).resolve()):
+        # an export run's manifest and card name the drafter it exported: replacing only its files would
+        # leave a COMPLETE run whose record describes another drafter
+        raise DraftsmithError(f"{dest} is inside the {recorded_stage(owner) or 'stage'} run {owner}: an export "
+                              "never replaces a run's files (they are what its manifest and COMPLETE marker vouch "
+                              "for); choose another export.path")
     if not dest.is_dir() or not (dest / DRAFTER_INFO).is_file():
         raise DraftsmithError(f"{dest} exists and is not a draftsmith export (no {DRAFTER_INFO}): "
                               "choose another export.path; draftsmith never replaces other files")
@@ -237,8 +257,8 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         DraftsmithError: the destination exists and ``export.overwrite`` is false.
     """
     distill_dir = resolve_input(cfg.inputs.distill, cfg.outputs, "distill")
-    dest = Path(cfg.export.path) if cfg.export.path else run_dir / EXPORT_DIR
-    check_export_destination(dest, cfg.export.overwrite)
+    dest = export_destination(cfg.export.path, run_dir)
+    check_export_destination(dest, cfg.export.overwrite, run_dir)
     report, eval_dir = _report_for(cfg, distill_dir)
     run = StageRun.start("export", run_dir, config_yaml,
                          inputs={"distill": str(distill_dir), "evaluate": str(eval_dir) if eval_dir else ""})
@@ -255,9 +275,10 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(src)
 
-    staging = dest.with_name(dest.name + ".new") if dest.exists() else dest  # (an empty dest is replaced too)
     gguf_bytes = sum(p.numel() for p in model.parameters()) * (4 if cfg.export.gguf_dtype == "f32" else 2)
-    with atomic_dir(staging, needed_bytes=state_dict_bytes(model) + (gguf_bytes if cfg.export.gguf else 0)) as tmp:
+    # replace: an earlier export (or an empty folder) is swapped out only once the new folder is whole
+    with atomic_dir(dest, needed_bytes=state_dict_bytes(model) + (gguf_bytes if cfg.export.gguf else 0),
+                    replace=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if model.generation_config is not None:
@@ -282,9 +303,6 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                 raise DraftsmithError(f"GGUF export: {err}") from err
             print(f"export: wrote {gguf_file.name} ({gguf_file.stat().st_size / 2**20:.0f} MiB, "
                   f"{cfg.export.gguf_dtype})")
-    if staging != dest:  # overwrite: swap in the finished folder only now
-        shutil.rmtree(dest)
-        staging.rename(dest)
     logger = make_logger(cfg.logger, run_name("export", run_dir), run_dir, config=dataclasses.asdict(cfg))
     try:
         logger.summary({"export_bytes": sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()),

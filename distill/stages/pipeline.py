@@ -22,10 +22,10 @@ from distill.files import write_json_atomic
 from distill.hardware import release_memory
 from distill.measure.report import REPORT_MD, write_report_markdown
 from distill.models.loading import resolve_model
-from distill.runs import read_manifest, require_complete
+from distill.runs import read_manifest, record_rewritten, require_complete
 from distill.stages.distill import run_distill
 from distill.stages.evaluate import run_evaluate
-from distill.stages.export import EXPORT_DIR, check_export_destination, run_export
+from distill.stages.export import check_export_destination, export_destination, run_export
 from distill.stages.generate import run_generate
 from distill.training.resume import named_checkpoint
 
@@ -46,8 +46,7 @@ def preflight(cfg: Config, export_run: Path) -> None:
         raise ConfigError("distill.target_source=stored trains on the target's stored top-k log-probs: "
                           "add generate.store_top_k=20")
     check_training_hardware(cfg)
-    check_export_destination(Path(cfg.export.path) if cfg.export.path else export_run / EXPORT_DIR,
-                             cfg.export.overwrite)
+    check_export_destination(export_destination(cfg.export.path, export_run), cfg.export.overwrite, export_run)
     target = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)
     check_drafter_tokens(cfg, target)  # same tokens; drafter.draft_vocab_size fits
     check_layers_exist(cfg)
@@ -127,6 +126,7 @@ def run_pipeline(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                         for name, folder in folders.items()}
     report["export"] = str(exported)
     write_json_atomic(report_path, report)
+    record_rewritten(folders["evaluate"], [report_path.name])  # else a later export takes it for a cut file
     write_report_markdown(report, report_path.with_name(REPORT_MD))
     print((report_path.with_name(REPORT_MD)).read_text())
     return report_path

@@ -169,7 +169,8 @@ def named_checkpoint(mode: str) -> Path | None:
     Called before data and models load as well, so a wrong folder is refused in seconds.
 
     Raises:
-        ConfigError: the folder is neither a complete ``checkpoint-<step>`` nor a distill run with one.
+        ConfigError: the folder is neither a complete ``checkpoint-<step>`` nor a distill run with one, or the
+            checkpoint it names has a file that cannot be read (named, with the readable checkpoint before it).
     """
     if mode in ("auto", "never"):
         return None
@@ -180,6 +181,13 @@ def named_checkpoint(mode: str) -> Path | None:
                 if mode.lower() in ("true", "yes", "on", "1") else "")
         raise ConfigError(f"distill.resume={mode}: not a checkpoint-<step> folder nor a distill run with "
                           f"checkpoints; use auto, never, or a folder holding {STATE_FILE}{hint}")
+    if checkpoint == path and (damage := _damage(path)):  # named by the user: never swapped for another
+        found = complete_checkpoints(path.parent)
+        step = next((step for step, p in found if p.name == path.name), None)
+        earlier = [p for n, p in found if step is not None and n < step and _damage(p) is None]
+        instead = f"name an earlier one (distill.resume={earlier[-1]})" if earlier else "use distill.resume=never"
+        raise ConfigError(f"distill.resume={mode}: the checkpoint cannot be read ({damage}; cut short or changed "
+                          f"since it was written): {instead}")
     return checkpoint
 
 

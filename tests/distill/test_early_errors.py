@@ -12,6 +12,7 @@ from tests.distill.test_config import cli_in_process
 
 
 def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr("distill.tracking.socket.create_connection", lambda *a, **k: _Closable())  # a network
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     with pytest.raises(ConfigError, match="wandb login"):
@@ -23,6 +24,31 @@ def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     monkeypatch.setenv("WANDB_API_KEY", "abc123")
     check_logger(LoggerConfig(kind="wandb", mode="online"))
+
+
+class _Closable:
+    def close(self) -> None:
+        pass
+
+
+def test_wandb_online_without_a_network_is_refused_before_any_work(monkeypatch, tmp_path):
+    """Issue 37 case 10: with a key but no network, wandb let generate finish its work, then timed out (~90 s)
+    with a CommError traceback and the stage was never marked COMPLETE."""
+    def no_network(address, timeout=None):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr("distill.tracking.socket.create_connection", no_network)
+    monkeypatch.setenv("WANDB_API_KEY", "abc123")
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    with pytest.raises(ConfigError, match=r"api.wandb.ai:443 cannot be reached .*Network is unreachable.*"
+                                          r"logger.mode=offline"):
+        check_logger(LoggerConfig(kind="wandb", mode="online"))
+    check_logger(LoggerConfig(kind="wandb", mode="offline"))  # offline needs no network
+    proc = cli_in_process("generate", "experiment=tiny", "logger=wandb", "logger.mode=online",
+                          f"outputs={tmp_path}/out", cwd=tmp_path)
+    assert proc.returncode == 2 and "cannot be reached" in proc.stderr, proc.stderr[-1000:]
+    assert not list((tmp_path / "out").glob("generate/*"))
 
 
 def test_wandb_online_without_a_key_fails_before_any_run_folder(tmp_path):
@@ -51,6 +77,22 @@ def test_a_bad_value_in_a_sweep_stops_it_before_the_first_job(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 2 and "job distill.lr=0" in proc.stderr, proc.stderr[-1000:]
     assert "no job was started" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_sweep_asking_for_more_prompts_than_the_set_holds_stops_before_the_first_job(tmp_path):
+    """Issue 37 case 11: docs/runs.md promised every job's settings checked before the first starts, yet job 1 of
+    `evaluate.num_prompts=100000,3` generated, then failed on the prompt count."""
+    proc = cli_in_process("pipeline", "-m", "experiment=tiny", f"outputs={tmp_path}/out",
+                          "evaluate.num_prompts=3,100000", cwd=tmp_path)
+    assert proc.returncode == 2 and "job evaluate.num_prompts=100000" in proc.stderr, proc.stderr[-1000:]
+    assert "only 164 distinct prompts" in proc.stderr and "no job was started" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(6)))
+    proc = cli_in_process("generate", "-m", "experiment=tiny", "data=file", f"data.path={prompts}",
+                          f"outputs={tmp_path}/out", "generate.num_prompts=2,5", "evaluate.num_prompts=3", cwd=tmp_path)
+    assert proc.returncode == 2 and "job generate.num_prompts=5" in proc.stderr, proc.stderr[-1000:]
+    assert "only 6 distinct prompts" in proc.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("override, suggestion", [

@@ -319,3 +319,24 @@ def test_a_line_that_is_not_utf8_is_named_and_skippable(tmp_path, suffix, good):
         path.write_bytes(b'{"prompt": "a"}\n' + "caf\u00e9".encode("latin-1") + b'\n{"prompt": "b"}\n')
     kept = load_prompts("file", str(path), on_bad_line="skip", skipped=skipped)
     assert len(kept) == 2 and len(skipped) == (1 if suffix == ".jsonl" else 2)
+
+
+@pytest.mark.parametrize("suffix, text", [(".txt", "print hello\nsecond\n"),
+                                          (".jsonl", '{"prompt": "print hello"}\n{"prompt": "second"}\n')])
+def test_a_byte_order_mark_is_read_as_utf8_not_as_prompt_text(tmp_path, suffix, text):
+    """Windows editors save "UTF-8" with a byte-order mark: it must not become the first prompt's first token."""
+    path = tmp_path / f"prompts{suffix}"
+    path.write_bytes(text.encode("utf-8-sig"))
+    got = load_prompts("file", str(path))
+    assert [_user(p) for p in got] == ["print hello", "second"]
+    assert encode_prompt(tiny_tokenizer(), got[0]) == encode_prompt(tiny_tokenizer(), Prompt(
+        id="x", source="file", category="file", messages=[{"role": "user", "content": "print hello"}]))
+
+
+def test_a_prompt_file_that_is_a_named_pipe_says_what_it_is(tmp_path):
+    import os
+
+    fifo = tmp_path / "prompts.txt"
+    os.mkfifo(fifo)
+    with pytest.raises(PromptError, match=r"prompts\.txt is a named pipe \(FIFO\), not a regular file; .*data\.path"):
+        load_prompts("file", str(fifo))

@@ -813,3 +813,178 @@ def test_generate_answers_the_held_out_prompts_and_evaluate_reads_them(tiny_run)
     assert len(answers) == 3 and all(1 <= len(a) <= 24 for a in answers)  # evaluate.num_prompts, decode.max_new_tokens
     assert manifest["file_sizes"][answers_file.name] == answers_file.stat().st_size
     assert f"answers to these 3 prompts come from {answers_file}" in proc.stdout
+
+
+def _pipeline_copy(proc: subprocess.CompletedProcess, to: Path) -> Path:
+    """A copy of the finished tiny pipeline (times kept) whose files a test may change."""
+    shutil.copytree(Path(proc.stdout.strip().splitlines()[-1]).parent.parent, to)
+    return to
+
+
+def _refused(proc: subprocess.CompletedProcess, *phrases: str) -> None:
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert all(phrase in proc.stderr for phrase in phrases), proc.stderr[-2000:]
+
+
+def test_export_never_replaces_another_export_runs_drafter(tiny_run, tmp_path):
+    """Issue 37 case 1: overwriting a finished export run's drafter-hf with another drafter left a COMPLETE run whose
+    manifest and card named the first one."""
+    root, proc = tiny_run
+    run = _pipeline_copy(proc, tmp_path / "fkl")
+    exported = run / "export" / "drafter-hf"
+    before = {p.name: p.read_bytes() for p in exported.iterdir()}
+    refused = cli_in_process("export", "experiment=tiny", f"inputs.distill={run / 'distill'}",
+                             f"export.path={exported}", "export.overwrite=true", f"outputs={tmp_path / 'out'}", cwd=root)
+    _refused(refused, f"{exported} is inside the export run {run / 'export'}", "choose another export.path")
+    assert {p.name: p.read_bytes() for p in exported.iterdir()} == before
+
+
+def test_export_path_links_are_resolved_and_checked_before_any_work(tiny_run, tmp_path):
+    """Issue 37 case 6: a link loop failed after the export was built; a link to a run's drafter folder was saved
+    only by Python refusing to rmtree a link, leaving a full ``<path>.new`` that blocked the next attempt."""
+    root, proc = tiny_run
+    run = _pipeline_copy(proc, tmp_path / "run")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    refused = cli_in_process("export", "experiment=tiny", f"inputs.distill={run / 'distill'}", f"export.path={loop}",
+                             f"outputs={tmp_path / 'out'}", cwd=root)
+    _refused(refused, f"export.path={loop} cannot be followed", "symbolic link loop")
+    to_drafter = tmp_path / "to_drafter"
+    to_drafter.symlink_to(run / "distill" / "drafter")
+    before = {p.name: p.read_bytes() for p in (run / "distill" / "drafter").iterdir()}
+    refused = cli_in_process("export", "experiment=tiny", f"inputs.distill={run / 'distill'}", "export.overwrite=true",
+                             f"export.path={to_drafter}", f"outputs={tmp_path / 'out'}", cwd=root)
+    _refused(refused, "is inside the distill run")
+    assert {p.name: p.read_bytes() for p in (run / "distill" / "drafter").iterdir()} == before
+    # a link to an earlier export outside any run: the folder it points to is replaced whole, nothing left beside it
+    shared = tmp_path / "shared"
+    shutil.copytree(run / "export" / "drafter-hf", shared / "drafter")
+    (tmp_path / "latest").symlink_to(shared / "drafter")
+    (shared / "drafter" / "README.md").write_text("the old card")
+    done = draftsmith_tiny("export", "experiment=tiny", f"inputs.distill={run / 'distill'}", "export.overwrite=true",
+                           f"export.path={tmp_path / 'latest'}", f"outputs={tmp_path / 'out'}", cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "latest").is_symlink() and sorted(p.name for p in shared.iterdir()) == ["drafter"]
+    assert "Draft model for" in (shared / "drafter" / "README.md").read_text()
+
+
+def test_a_damaged_manifest_is_named_and_no_older_run_is_taken_in_its_place(tiny_run, tmp_path):
+    """Issue 37 cases 2 and 5: a cut manifest.json gave a JSONDecodeError traceback when named, and with no input
+    named the older run was exported without a word."""
+    root, proc = tiny_run
+    out = tmp_path / "outputs"
+    old = _pipeline_copy(proc, out / "old")
+    new = _pipeline_copy(proc, out / "new")
+    for marker in new.glob("*/COMPLETE"):
+        marker.touch()  # the newer run
+    manifest = new / "distill" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])
+    for stage in ("evaluate", "export"):
+        refused = cli_in_process(stage, "experiment=tiny", f"outputs={out}", cwd=root)
+        _refused(refused, f"run {new / 'distill'} is damaged: manifest.json cannot be read",
+                 "`draftsmith pipeline experiment=tiny", f"the newest intact one is {old / 'distill'}")
+        named = cli_in_process(stage, "experiment=tiny", f"inputs.distill={new / 'distill'}", f"outputs={out}",
+                               cwd=root)
+        _refused(named, f"run {new / 'distill'} is damaged: manifest.json cannot be read",
+                 "pass inputs.distill=<another finished distill run>")
+    assert not list(out.glob("export/*"))
+    (new / "generate" / "manifest.json").write_text("")
+    refused = cli_in_process("distill", "experiment=tiny", f"outputs={out}", cwd=root)
+    _refused(refused, f"run {new / 'generate'} is damaged: manifest.json is empty")
+
+
+def test_export_refuses_a_damaged_evaluation_instead_of_dropping_it_from_the_card(tiny_run, tmp_path):
+    """Issue 37 case 4: with the evaluate run's manifest emptied, the card said "No evaluation report was found"."""
+    root, proc = tiny_run
+    from distill.runs import require_complete
+
+    run = _pipeline_copy(proc, tmp_path / "outputs" / "run")
+    # intact: the pipeline's additions to its report.json are recorded, not taken for damage
+    assert require_complete(run / "evaluate", "evaluate") == run / "evaluate"
+    (run / "evaluate" / "manifest.json").write_text("")
+    refused = cli_in_process("export", "experiment=tiny", f"inputs.distill={run / 'distill'}",
+                             f"outputs={tmp_path / 'outputs'}", cwd=root)
+    _refused(refused, f"run {run / 'evaluate'} is damaged: manifest.json is empty", "inputs.evaluate=")
+    assert not list((tmp_path / "outputs").glob("export/*/drafter-hf"))
+
+
+def test_a_logger_that_fails_at_finish_never_loses_a_finished_stage(tiny_run, tmp_path, monkeypatch):
+    """Issue 37 case 10: wandb online lost its network; its timeout at finish (a CommError) ended the stage with a
+    traceback before COMPLETE was written, although the stage's outputs were whole."""
+    import wandb
+
+    class LostNetwork:
+        summary: dict = {}
+        dir = str(tmp_path / "wandb" / "run-1" / "files")
+
+        def log(self, *args, **kwargs):
+            pass
+
+        def finish(self):
+            raise wandb.errors.CommError("Run initialization has timed out after 90.0 sec.")
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: LostNetwork())
+    root, proc = tiny_run
+    run = _pipeline_copy(proc, tmp_path / "run")
+    done = cli_in_process("export", "experiment=tiny", "logger=wandb", f"inputs.distill={run / 'distill'}",
+                          f"outputs={tmp_path / 'out'}", cwd=root)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "warning: wandb could not finish (CommError: Run initialization has timed out" in done.stderr
+    assert f"`wandb sync {tmp_path / 'wandb' / 'run-1'}`" in done.stderr
+    [export] = list((tmp_path / "out").glob("export/*"))
+    assert (export / COMPLETE).is_file() and (export / "drafter-hf" / "config.json").is_file()
+
+
+def test_a_disk_that_fills_up_while_evaluate_draws_its_plots_ends_with_one_line(tiny_run, tmp_path, monkeypatch):
+    """Issue 37 case 7: with room for report.json but not for the PNGs, evaluate ended with matplotlib's
+    ``OSError: [Errno 28]`` traceback; it gives the disk-full line, and the measured report.json stays."""
+    import errno
+
+    import matplotlib.figure
+
+    def full_for_images(target: str | Path) -> None:
+        if str(target).endswith(".png"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    draw, rename = matplotlib.figure.Figure.savefig, os.replace
+
+    def savefig(self, fname, *args, **kwargs):  # matplotlib writing the file itself
+        full_for_images(fname if isinstance(fname, (str, Path)) else getattr(fname, "name", ""))
+        return draw(self, fname, *args, **kwargs)
+
+    def replace(src, dst, *args, **kwargs):  # an atomic write publishing it
+        full_for_images(dst)
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    monkeypatch.setattr("distill.files.os.replace", replace)
+    root, proc = tiny_run
+    run = _pipeline_copy(proc, tmp_path / "run")
+    out = tmp_path / "out"
+    failed = cli_in_process("evaluate", "experiment=tiny", f"inputs.distill={run / 'distill'}",
+                            "evaluate.hf_assisted=false", f"outputs={out}", cwd=root)
+    _refused(failed, "the disk filled up while writing", ".png", "run the same command again")
+    [evaluate] = list(out.glob("evaluate/*"))
+    report = json.loads((evaluate / "report.json").read_text())
+    assert report["acceptance_rate"] is not None and not (evaluate / COMPLETE).exists()
+    assert not list(evaluate.glob("*.png")) and not list(evaluate.glob(".*.tmp"))
+
+
+def test_a_complete_marker_outside_any_run_folder_is_not_taken_for_a_damaged_run(tmp_path):
+    """find_latest refuses only for a damaged run of the stage asked for: a stray COMPLETE (no manifest, no
+    config.yaml) or a damaged run of another stage is passed over."""
+    from distill.errors import DamagedRunError, IncompleteRunError
+    from distill.runs import find_latest
+
+    (tmp_path / "stray").mkdir()
+    (tmp_path / "stray" / COMPLETE).write_text("")
+    other = tmp_path / "generate" / "run"
+    other.mkdir(parents=True)
+    (other / "config.yaml").write_text("stage: generate\n")
+    (other / "manifest.json").write_text("{")
+    (other / COMPLETE).write_text("")
+    with pytest.raises(IncompleteRunError, match="no finished distill run") as refused:
+        find_latest(tmp_path, "distill")
+    assert not isinstance(refused.value, DamagedRunError)
+    with pytest.raises(DamagedRunError, match=r"generate/run is damaged: manifest.json cannot be read"):
+        find_latest(tmp_path, "generate")

@@ -253,6 +253,26 @@ def test_disk_full_names_the_path_and_sizes(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".report.json.*"))
 
 
+def test_atomic_dir_replaces_a_folder_only_once_the_new_one_is_whole(tmp_path, monkeypatch):
+    """export.overwrite: the earlier export stays as it was on any failure, and nothing is left beside it."""
+    from distill.files import atomic_dir
+
+    final = tmp_path / "drafter"
+    final.mkdir()
+    (final / "config.json").write_text("old")
+    with pytest.raises(FileExistsError):
+        with atomic_dir(final):
+            pass
+    with pytest.raises(ValueError):
+        with atomic_dir(final, replace=True) as tmp:
+            (tmp / "config.json").write_text("half")
+            raise ValueError("the reload check failed")
+    assert (final / "config.json").read_text() == "old" and sorted(tmp_path.iterdir()) == [final]
+    with atomic_dir(final, replace=True) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert (final / "config.json").read_text() == "new" and sorted(tmp_path.iterdir()) == [final]
+
+
 def test_atomic_writes_leave_the_modes_a_plain_write_would(tmp_path):
     """mkdtemp/mkstemp make 0700/0600 and safetensors writes 0600: an export must still be readable by others."""
     from distill.files import atomic_dir, write_text_atomic
@@ -290,6 +310,29 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, cap
     optimizer = run / "checkpoints" / "checkpoint-5" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:20])
     assert latest_checkpoint(run / "checkpoints") is None
+
+
+def test_a_damaged_checkpoint_named_by_distill_resume_is_refused_with_its_file(tmp_path):
+    """Issue 37 case 9: automatic resume skips a damaged checkpoint, but one the user names is never swapped for
+    another; a cut optimizer.pt gave a PytorchStreamReader traceback after the models had loaded."""
+    import torch
+
+    run = _fake_run(tmp_path, "a", "k1", steps=(5, 10))
+    for step in (5, 10):
+        torch.save({"state": {}}, run / "checkpoints" / f"checkpoint-{step}" / "optimizer.pt")
+    optimizer = run / "checkpoints" / "checkpoint-10" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:20])
+    named = run / "checkpoints" / "checkpoint-10"
+    with pytest.raises(ConfigError, match=r"distill.resume=.*checkpoint-10: the checkpoint cannot be read "
+                                          r"\(optimizer.pt: BadZipFile.*name an earlier one "
+                                          r"\(distill.resume=.*checkpoint-5\)"):
+        named_checkpoint(str(named))
+    assert named_checkpoint(str(run)).name == "checkpoint-5"  # a run folder named: its newest readable one
+    # refused before any data or model loads: no run folder is made
+    cfg = _compose("experiment=tiny", f"distill.resume={named}", f"outputs={tmp_path / 'out'}")
+    with pytest.raises(ConfigError, match="optimizer.pt"):
+        run_distill(cfg, tmp_path / "out" / "distill" / "x")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.extra
