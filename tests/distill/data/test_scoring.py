@@ -130,3 +130,26 @@ def test_generate_scores_a_files_answers_through_the_cli(tmp_path):
     proc = draftsmith_tiny("generate", "experiment=tiny", "generate.answers=dataset", f"outputs={tmp_path}/h",
                            cwd=tmp_path)
     assert proc.returncode == 2 and "carry no answer" in proc.stderr
+
+
+@pytest.mark.extra  # a script's check: python -m pytest -m extra
+def test_benchmark_stages_prints_each_stage_beside_its_bound(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(repo / "scripts" / "benchmark_stages.py"), "--target", "tiny-target",
+                          "--drafter", "tiny-drafter", "--prompts", "3", "--max-new-tokens", "8", "--steps", "1",
+                          "--bound-len", "32", "--max-prompt-tokens", "400", "--json"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout)
+    for stage in ("generate", "score", "distill"):
+        figures = result[stage]
+        assert set(figures) >= {"tokens_per_s", "answer_tokens_per_s", "bound_tokens_per_s", "ratio"}
+        assert figures["ratio"] == pytest.approx(figures["tokens_per_s"] / figures["bound_tokens_per_s"], rel=1e-2)
+        assert 0 < figures["answer_tokens_per_s"] < figures["tokens_per_s"]
+    assert result["host"]["target_forward_tokens_per_s"] > 0 and result["distill"]["packing"] is True
