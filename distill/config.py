@@ -139,9 +139,8 @@ class GenerateConfig:
     answers: str = field(default="target", metadata={
         "help": "target: the target writes each training answer (generation); dataset: the target scores the answer "
                 "that comes with each prompt (ShareGPT's reply, a file's \"answer\" or closing assistant turn) in "
-                "one teacher-forced forward per batch, no generation"})
-    max_new_tokens: int = field(default=96, metadata={
-        "help": "answer tokens per prompt, at most (with answers=dataset: longer answers are cut there)"})
+                "one teacher-forced forward per batch, no generation; answers longer than max_new_tokens are cut there"})
+    max_new_tokens: int = field(default=96, metadata={"help": "answer tokens per prompt, at most"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature of the answers; 0 = greedy"})
     top_p: float = field(default=1.0, metadata={
         "help": "nucleus sampling: only the most likely tokens up to this probability (1 = all)"})

@@ -179,7 +179,8 @@ def test_nan_loss_names_the_step(target, examples, tmp_path):
     handle = target.register_forward_hook(poison)
     try:
         with pytest.raises(DraftsmithError, match=r"step 3; the last good checkpoint is .*checkpoint-2"):
-            train_drafter(_sibling(), target, examples, loop_settings(max_steps=5, batch_size=2, checkpoint_every=2),
+            train_drafter(_sibling(), target, examples, loop_settings(max_steps=5, batch_size=2, checkpoint_every=2,
+                                                                      packing=False),
                           output_dir=tmp_path, progress=False)
     finally:
         handle.remove()
