@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from decode.draft_length import make_schedule
-from decode.metrics import DecodeStats
+from decode.metrics import DecodeStats, verify_cost_at
 from decode.prompt_lookup import lookup_draft
 
 MAX_SIMULATED_K = 16
@@ -217,18 +218,26 @@ def _ratio(numerators: Sequence[float], denominators: Sequence[float], rows: Seq
     return sum(numerators[i] for i in rows) / den if den else 0.0
 
 
-def bootstrap_ci(statistic: Callable[[Sequence[int]], float], num_items: int, *, resamples: int = 2000,
-                 seed: int = 0, level: float = 0.95) -> list[float]:
+def bootstrap_ci(statistic: Callable[..., float], num_items: int, *, resamples: int = 2000, seed: int = 0,
+                 level: float = 0.95, rounds: Sequence[int] = ()) -> list[float]:
     """Percentile bootstrap interval ``[lo, hi]`` of ``statistic(rows)`` over ``num_items`` prompts resampled
     with replacement (Efron and Tibshirani 1993, ch. 13); seeded, so a report repeats.
 
+    With ``rounds`` (the number of timing rounds of each independent cost measurement, e.g. ``(c rounds,
+    verify rounds)``) each resample also draws every measurement's rounds with replacement and calls
+    ``statistic(rows, *round_rows)``, so the interval covers the timing noise as well as the prompts drawn.
+
     Raises:
-        ValueError: no items or a level outside (0, 1).
+        ValueError: no items, a level outside (0, 1) or a measurement without rounds.
     """
-    if num_items < 1 or not 0 < level < 1:
-        raise ValueError(f"bootstrap_ci needs items and a level in (0, 1), got {num_items}, {level}")
+    if num_items < 1 or not 0 < level < 1 or any(n < 1 for n in rounds):
+        raise ValueError(f"bootstrap_ci needs items, rounds and a level in (0, 1), got {num_items}, {rounds}, {level}")
     rng = random.Random(seed)
-    values = sorted(statistic([rng.randrange(num_items) for _ in range(num_items)]) for _ in range(resamples))
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(n) for _ in range(n)]
+
+    values = sorted(statistic(draw(num_items), *(draw(n) for n in rounds)) for _ in range(resamples))
     return [values[int((1 - level) / 2 * (resamples - 1))], values[int(round((1 + level) / 2 * (resamples - 1)))]]
 
 
@@ -280,15 +289,48 @@ def paired_tau_difference(totals_a: Sequence[BlockTotals], totals_b: Sequence[Bl
 
 @dataclass(frozen=True)
 class DrafterCosts:
-    """The cost model's inputs for one drafter at one K, in one-token target forwards.
+    """The cost model's inputs for one drafter at one K, in one-token target forwards, with the timing rounds
+    behind them when they were measured (to resample in a bootstrap; empty: held fixed).
 
     Attributes:
-        cost_ratio: c, the drafter's one-token forward time over the target's.
+        cost_ratio: c, the drafter's one-token forward time over the target's (the median of its rounds).
         verify_cost: the target's forward over K + 1 tokens (``decode.metrics.verify_cost_at``).
+        cost_ratio_rounds: ``(rounds,)`` c of each interleaved round (``decode.costs.measure_cost_ratios``).
+        verify_cost_rounds: ``(rounds,)`` the verify cost at this K of each round, on ``verify_cost``'s scale.
     """
 
     cost_ratio: float
     verify_cost: float
+    cost_ratio_rounds: tuple[float, ...] = ()
+    verify_cost_rounds: tuple[float, ...] = ()
+
+    @property
+    def rounds(self) -> tuple[int, ...]:
+        """The round counts :func:`bootstrap_ci` draws for these costs: ``(c rounds, verify rounds)``, either 1
+        when not measured (one fixed value)."""
+        return len(self.cost_ratio_rounds) or 1, len(self.verify_cost_rounds) or 1
+
+    def resampled(self, c_rows: Sequence[int], verify_rows: Sequence[int]) -> DrafterCosts:
+        """The costs of one bootstrap resample: the medians of the rounds drawn (the value held where no rounds)."""
+        c = statistics.median(self.cost_ratio_rounds[i] for i in c_rows) if self.cost_ratio_rounds else self.cost_ratio
+        v = (statistics.median(self.verify_cost_rounds[i] for i in verify_rows) if self.verify_cost_rounds
+             else self.verify_cost)
+        return DrafterCosts(c, v)
+
+
+def drafter_costs(cost_ratio: float, verify_costs: Sequence[float] | None, draft_length: int, *,
+                  cost_ratio_rounds: Sequence[float] = (),
+                  verify_cost_rounds: Sequence[Sequence[float]] = ()) -> DrafterCosts:
+    """:class:`DrafterCosts` at K = ``draft_length`` from c, the (smoothed) verification costs by length and
+    the rounds behind them (``(rounds,)`` c, ``(rounds, lengths)`` raw verification costs). Each round's
+    verification cost is scaled by smoothed / raw median at this K, so the rounds carry their spread around
+    the smoothed value the point estimate uses."""
+    verify = verify_cost_at(verify_costs, draft_length)
+    at_k = [verify_cost_at(r, draft_length) for r in verify_cost_rounds]
+    if at_k:
+        scale = verify / statistics.median(at_k)
+        at_k = [v * scale for v in at_k]
+    return DrafterCosts(cost_ratio, verify, tuple(cost_ratio_rounds), tuple(at_k))
 
 
 def _predicted_speedup(totals: Sequence[BlockTotals], costs: DrafterCosts, rows: Sequence[int]) -> float:
@@ -299,24 +341,47 @@ def _predicted_speedup(totals: Sequence[BlockTotals], costs: DrafterCosts, rows:
     return tokens / cost if cost else 0.0
 
 
+def predicted_speedup_ci(totals: Sequence[BlockTotals], costs: DrafterCosts, *, seed: int = 0) -> list[float]:
+    """95% interval of the pooled predicted speedup (:func:`_predicted_speedup`) resampling the prompts and the
+    costs' timing rounds together (prompts alone where ``costs`` carry no rounds)."""
+    return bootstrap_ci(lambda rows, c_rows, v_rows: _predicted_speedup(totals, costs.resampled(c_rows, v_rows), rows),
+                        len(totals), seed=seed, rounds=costs.rounds)
+
+
 def paired_speedup_ratio(totals_a: Sequence[BlockTotals], costs_a: DrafterCosts, totals_b: Sequence[BlockTotals],
                          costs_b: DrafterCosts, *, seed: int = 0) -> dict:
     """Predicted speedup of drafter a over drafter b on the same prompts, each at its own K and costs:
-    ``{"ratio": S_a / S_b, "ci95": [lo, hi]}`` (paired bootstrap over prompts; the measured costs are held
-    fixed, so the interval covers which prompts were drawn, not the timing noise of c). A ratio of 1.10 is
-    a 10% faster decoder; an interval above 1 separates the two.
+    ``{"ratio": S_a / S_b, "ci95": [lo, hi], "ci95_prompts_only": [lo, hi], "interval_covers": ...}``.
+
+    ``ci95`` is a paired bootstrap that resamples the prompts and the timing rounds together: the two
+    drafters' c were timed in the same interleaved rounds (``decode.costs.measure_cost_ratios``), so one draw
+    of round indices serves both, and their verification costs are the same target's. So the interval covers
+    the timing noise of c as well as which prompts were drawn; ``ci95_prompts_only`` holds the costs fixed (the
+    prompts' share of it). A ratio of 1.10 is a 10% faster decoder; an interval above 1 separates the two.
 
     Raises:
-        ValueError: the two lists cover different numbers of prompts, or none.
+        ValueError: the two lists cover different numbers of prompts or none, or the two costs' rounds differ
+            in number (they were not timed side by side).
     """
     if len(totals_a) != len(totals_b) or not totals_a:
         raise ValueError(f"paired ratio over different or no prompts ({len(totals_a)} vs {len(totals_b)})")
+    rounds = tuple(max(a, b) for a, b in zip(costs_a.rounds, costs_b.rounds))
+    for costs in (costs_a, costs_b):
+        if any(n not in (1, m) for n, m in zip(costs.rounds, rounds)):
+            raise ValueError(f"paired ratio of costs timed in different rounds ({costs_a.rounds} vs {costs_b.rounds})")
 
-    def ratio(rows):
-        base = _predicted_speedup(totals_b, costs_b, rows)
-        return _predicted_speedup(totals_a, costs_a, rows) / base if base else 0.0
+    def ratio(rows, c_rows=(), v_rows=()):
+        a, b = costs_a, costs_b
+        if c_rows:
+            a, b = a.resampled(c_rows, v_rows), b.resampled(c_rows, v_rows)
+        base = _predicted_speedup(totals_b, b, rows)
+        return _predicted_speedup(totals_a, a, rows) / base if base else 0.0
 
-    return {"ratio": ratio(range(len(totals_a))), "ci95": bootstrap_ci(ratio, len(totals_a), seed=seed)}
+    timed = rounds != (1, 1)
+    return {"ratio": ratio(range(len(totals_a))),
+            "ci95": bootstrap_ci(ratio, len(totals_a), seed=seed, rounds=rounds),
+            "ci95_prompts_only": bootstrap_ci(ratio, len(totals_a), seed=seed),
+            "interval_covers": "prompts and timing rounds" if timed else "prompts (costs held fixed)"}
 
 
 # --- one drafter's simulated section of a report ----------------------------------------------------
@@ -381,8 +446,9 @@ def block_totals(samples: Sequence[TeacherForced], settings: SimulationSettings,
 
 def simulated_section(samples: Sequence[TeacherForced], settings: SimulationSettings, *,
                       cost_ratio: float | None = None, verify_costs: Sequence[float] | None = None,
-                      lookup_ngram: int | None = None, max_k: int = MAX_SIMULATED_K,
-                      seed: int = 0) -> tuple[dict, list[BlockTotals]]:
+                      lookup_ngram: int | None = None, max_k: int = MAX_SIMULATED_K, seed: int = 0,
+                      cost_ratio_rounds: Sequence[float] = (),
+                      verify_cost_rounds: Sequence[Sequence[float]] = ()) -> tuple[dict, list[BlockTotals]]:
     """A report's ``simulated`` entry for one drafter, and the per-prompt totals behind it (for pairing).
 
     The entry: ``num_prompts``, ``num_tokens``, ``draft_length``, ``schedule``, ``acceptance_rate``,
@@ -391,14 +457,16 @@ def simulated_section(samples: Sequence[TeacherForced], settings: SimulationSett
     drafter's argmax is the target's token, model drafters only), ``per_k`` ({"1".."16": acceptance_rate, mean_accepted_tokens,
     predicted_speedup}), ``heuristic`` (greedy: transformers' schedule started at K), ``per_category``
     ({category: the pooled figures with intervals}), and ``recommended_draft_length`` (the K of the highest
-    predicted speedup, whose interval is ``ci95["predicted_speedup_at_best_k"]``, the costs held fixed). ``predicted_speedup`` = :func:`decode.metrics.predicted_speedup` with the measured
-    ``cost_ratio`` c and ``verify_costs`` (None without them). For speculative sampling (``settings.sampling``)
+    predicted speedup, whose interval is ``ci95["predicted_speedup_at_best_k"]``: prompts and the timing rounds
+    ``cost_ratio_rounds`` / ``verify_cost_rounds`` resampled together, :func:`predicted_speedup_ci`).
+    ``predicted_speedup`` = :func:`decode.metrics.predicted_speedup` with the measured ``cost_ratio`` c and
+    ``verify_costs`` (None without them). For speculative sampling (``settings.sampling``)
     every figure is an expectation along target-sampled answers.
 
     Raises:
         ValueError: no samples, or what :func:`simulate` refuses.
     """
-    from decode.metrics import predicted_speedup, verify_cost_at
+    from decode.metrics import predicted_speedup
 
     if not samples:
         raise ValueError("simulated_section needs at least one prompt")
@@ -428,10 +496,9 @@ def simulated_section(samples: Sequence[TeacherForced], settings: SimulationSett
     if cost_ratio is not None:
         best = int(max(per_k, key=lambda k: (per_k[k]["predicted_speedup"], -int(k))))
         section["recommended_draft_length"] = best
-        costs = DrafterCosts(cost_ratio, verify_cost_at(verify_costs, best))
-        # the costs held fixed: the interval covers which prompts were drawn, not the timing noise of c
-        section["ci95"]["predicted_speedup_at_best_k"] = bootstrap_ci(
-            lambda rows: _predicted_speedup(totals_at[best], costs, rows), len(totals_at[best]), seed=seed)
+        costs = drafter_costs(cost_ratio, verify_costs, best, cost_ratio_rounds=cost_ratio_rounds,
+                              verify_cost_rounds=verify_cost_rounds)
+        section["ci95"]["predicted_speedup_at_best_k"] = predicted_speedup_ci(totals_at[best], costs, seed=seed)
     if not settings.sampling:
         heuristic = figures(_totals(simulate(samples, settings, lookup_ngram=lookup_ngram, schedule="heuristic")),
                             intervals=False)

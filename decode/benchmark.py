@@ -15,22 +15,25 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import statistics
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.utils import logging as hf_logging
 
+from decode.costs import (
+    measure_forward_seconds,
+    measure_verify_cost_rounds,
+    monotone_verify_costs,
+)
 from decode.draft_length import choose_draft_length
 from decode.metrics import DecodeStats, theoretical_speedup
-from decode.model_calls import crop, forward, prefill, sync, vocab_size_of
+from decode.model_calls import prefill, sync, vocab_size_of
 from decode.speculative import SpeculativeOutput, speculative_generate, target_generate
 
 
@@ -45,195 +48,8 @@ class _PromptRun:
 
 
 TARGET_ENGINES = ("hf", "loop")
-
-
-@torch.inference_mode()
-def forward_seconds(model, input_ids: torch.Tensor, repeats: int = 5) -> float:
-    """Median seconds of one cached 1-token forward of ``model`` after prefilling ``input_ids`` ``(1, L)``."""
-    cache = prefill(model, input_ids)
-    last = input_ids[:, -1:].to(model.device)
-    _timed_forwards(model, last, cache, 1)  # warm-up, not counted
-    return statistics.median(_timed_forwards(model, last, cache, repeats))
-
-
-def _timed_forwards(model, last: torch.Tensor, cache, repeats: int) -> list[float]:
-    """Seconds of ``repeats`` cached forwards of the one token ``last`` ``(1, 1)`` after the prefilled ``cache``,
-    which is cropped back after each (so every call sees the same context)."""
-    base = cache.get_seq_length()
-    times = []
-    for _ in range(repeats):
-        sync(model.device)
-        start = time.perf_counter()
-        forward(model, last, cache, last_only=True)
-        sync(model.device)
-        times.append(time.perf_counter() - start)
-        crop(cache, base)
-    return times
-
-
-def measure_forward_seconds(target, drafter, prompts_ids: Sequence[Sequence[int]],
-                            repeats: int = 5) -> tuple[float, float]:
-    """Seconds of one cached 1-token forward of the target and of the drafter, each the median over
-    ``repeats`` calls after prefilling a prompt, averaged over the prompts ``prompts_ids``.
-
-    Raises:
-        ValueError: no prompts.
-    """
-    if not prompts_ids:
-        raise ValueError("measure_forward_seconds needs at least one prompt")
-    target_s = draft_s = 0.0
-    for ids in prompts_ids:
-        input_ids = torch.tensor([list(ids)], device=target.device)
-        target_s += forward_seconds(target, input_ids, repeats)
-        draft_s += forward_seconds(drafter, input_ids, repeats)
-    return target_s / len(prompts_ids), draft_s / len(prompts_ids)
-
-
-@torch.inference_mode()
-def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[Sequence[int]], *, rounds: int = 5,
-                        repeats: int = 3) -> dict[str, Any]:
-    """c of every drafter in ``drafters`` ({name: model as the decoder runs it}), timed side by side.
-
-    Each model prefills each prompt once; then ``rounds`` rounds time ``repeats`` cached 1-token forwards of the
-    target and of every drafter in turn (the cache cropped back after each), so a slow spell of the machine
-    falls on all of them alike. A round's time of a model is the median of its ``repeats`` forwards, averaged
-    over the prompts; a round's ``c = drafter time / target time`` (Leviathan et al. 2023, Sec. 3); the result
-    is the median of the rounds' c (the times: medians over rounds), with the rounds' range.
-
-    Drafters with equal :func:`cost_signature` (the same modules and tensor shapes, other values: a LoRA-merged
-    drafter and its base with the same head) compute the same and get one c, from the mean of their rounds:
-    the timing noise between them would otherwise pass for a difference in cost.
-
-    Returns:
-        ``{"cost_ratios": {name: c}, "cost_ratios_measured": {name: c before pooling}, "pooled": [[names that
-        share one c], ...], "target_forward_ms": ms, "drafter_forward_ms": {name: ms}, "cost_ratio_range":
-        {name: [lowest, highest] c over the rounds (of the pooled rounds for a shared c)}, "rounds": rounds,
-        "prompts": n}``.
-
-    Raises:
-        ValueError: no prompts, no drafters or ``rounds`` / ``repeats`` below 1.
-    """
-    if not prompts_ids or not drafters or rounds < 1 or repeats < 1:
-        raise ValueError("measure_cost_ratios needs prompts, drafters and rounds, repeats >= 1")
-    models = {"\0target": target, **drafters}
-    per_round: dict[str, list[float]] = {name: [0.0] * rounds for name in models}
-    for ids in prompts_ids:
-        input_ids = torch.tensor([list(ids)], device=target.device)
-        caches = {name: prefill(model, input_ids) for name, model in models.items()}
-        last = input_ids[:, -1:]
-        for name, model in models.items():  # warm-up, not counted
-            _timed_forwards(model, last, caches[name], 1)
-        for r in range(rounds):
-            for name, model in models.items():
-                spent = _timed_forwards(model, last, caches[name], repeats)
-                per_round[name][r] += statistics.median(spent) / len(prompts_ids)
-        del caches
-    target_rounds = per_round.pop("\0target")
-    spread = {name: [d / t for d, t in zip(rows, target_rounds)] for name, rows in per_round.items()}
-    measured = {name: statistics.median(c) for name, c in spread.items()}
-    pooled = [group for group in _same_cost_groups(drafters) if len(group) > 1]
-    ratios = dict(measured)
-    for group in pooled:  # one c for drafters that compute the same: the mean of their rounds, then the median
-        rounds_mean = [statistics.fmean(spread[name][r] for name in group) for r in range(rounds)]
-        ratios.update({name: statistics.median(rounds_mean) for name in group})
-        spread.update({name: rounds_mean for name in group})  # the range shown beside the shared c is its own
-    return {"cost_ratios": ratios, "cost_ratios_measured": measured, "pooled": pooled,
-            "target_forward_ms": 1000 * statistics.median(target_rounds),
-            "drafter_forward_ms": {name: 1000 * statistics.median(rows) for name, rows in per_round.items()},
-            "cost_ratio_range": {name: [min(c), max(c)] for name, c in spread.items()},
-            "rounds": rounds, "prompts": len(prompts_ids)}
-
-
-def cost_signature(model) -> tuple:
-    """What a forward's cost depends on: every module's class and settings and the shape and dtype of every
-    tensor it holds (parameters, buffers, packed weights), not their values. Two drafters with equal signatures
-    (a LoRA-merged drafter and the base it was trained from, with the same head) run the same kernels on the
-    same shapes, so they cost the same (dense kernels do not look at the values)."""
-    parts = []
-    for name, module in model.named_modules():
-        tensors = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False)),
-                   **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
-        parts.append((name, type(module).__name__, module.extra_repr(),
-                      tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()))))
-    return tuple(parts)
-
-
-def _same_cost_groups(drafters: dict[str, Any]) -> list[list[str]]:
-    """``drafters``' names grouped by :func:`cost_signature`, in the order they first appear."""
-    groups: dict[tuple, list[str]] = {}
-    for name, model in drafters.items():
-        groups.setdefault(cost_signature(model), []).append(name)
-    return list(groups.values())
-
-
-def measure_cost_ratio(target, drafter, prompts_ids: Sequence[Sequence[int]], repeats: int = 5) -> float:
-    """c = drafter 1-token forward time / target 1-token forward time (Leviathan et al. 2023, Sec. 3).
-
-    Both are measured with a KV cache after prefilling each prompt (:func:`measure_forward_seconds`).
-
-    Raises:
-        ValueError: no prompts.
-    """
-    target_s, draft_s = measure_forward_seconds(target, drafter, prompts_ids, repeats)
-    return draft_s / target_s
-
-
-@torch.inference_mode()
-def measure_verify_costs(target, prompts_ids: Sequence[Sequence[int]], max_tokens: int, repeats: int = 3) -> list[float]:
-    """Cost of one cached target forward over n tokens in units of a 1-token forward, n = 1..max_tokens.
-
-    Each prompt is prefilled once; then ``repeats`` rounds time every length once, in alternating order
-    (1..max_tokens, then back), so that a slow spell of the machine falls on all lengths alike.
-    ``result[n - 1]`` = the median over rounds of time(n tokens), summed over prompts, over the same for
-    1 token. Leviathan et al.'s Theorem 3.8 assumes 1.0 for every n (verification as cheap as a decoding
-    step, as on a GPU); on a CPU it grows with n, which is why measured speedups there fall short of
-    theirs. :func:`monotone_verify_costs` smooths the result.
-
-    Raises:
-        ValueError: no prompts, max_tokens < 1 or repeats < 1.
-    """
-    if not prompts_ids or max_tokens < 1 or repeats < 1:
-        raise ValueError("measure_verify_costs needs a prompt, max_tokens >= 1 and repeats >= 1")
-    totals = [0.0] * max_tokens
-    for ids in prompts_ids:
-        input_ids = torch.tensor([list(ids)], device=target.device)
-        cache = prefill(target, input_ids)
-        base = input_ids.shape[1] - 1
-        times: list[list[float]] = [[] for _ in range(max_tokens)]
-        lengths = list(range(1, max_tokens + 1))
-        for r in range(repeats + 1):  # round 0 warms up every length
-            for n in (lengths if r % 2 else lengths[::-1]):
-                sync(target.device)
-                start = time.perf_counter()
-                forward(target, input_ids[:, -1:].repeat(1, n), cache)
-                sync(target.device)
-                if r:
-                    times[n - 1].append(time.perf_counter() - start)
-                crop(cache, base)
-        for n in lengths:
-            totals[n - 1] += statistics.median(times[n - 1])
-    return [t / totals[0] for t in totals]
-
-
-def monotone_verify_costs(costs: Sequence[float]) -> list[float]:
-    """Measured verification costs ``(n,)`` made non-decreasing: entries 2..n by the closest non-decreasing
-    sequence (least squares: the pool-adjacent-violators algorithm), none below the first, the unit (the
-    1-token forward), which stays as given.
-
-    One more token in a forward never makes it cheaper on average, so a dip between neighbouring lengths is
-    timing noise; pooling it keeps the choice of K from chasing it. Kernel steps (a jump at 4 or 8 rows) are
-    kept: they are increases.
-    """
-    if not costs:
-        return []
-    blocks: list[list[float]] = []  # [sum, count] of each pooled run
-    for value in costs[1:]:
-        blocks.append([value, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [costs[0]] + [max(costs[0], total / count) for total, count in blocks for _ in range(count)]
+VERIFY_ROUNDS = 5
+"""Timing rounds of the target's verification costs (their median and its bootstrap come from these)."""
 
 
 def _hf_kwargs(*, max_new_tokens, eos_token_ids, temperature, top_k=0, top_p=1.0, stop_strings=(),
@@ -248,20 +64,6 @@ def _hf_kwargs(*, max_new_tokens, eos_token_ids, temperature, top_k=0, top_p=1.0
     if stop_strings:
         kwargs.update(stop_strings=list(stop_strings), tokenizer=tokenizer)
     return kwargs
-
-
-def machine_busy(who: str, seconds: float = 1.0) -> float | None:
-    """Share of all CPUs (0-1) that other processes used over ``seconds`` while this one sat idle, printed as a
-    warning (``<who>: warning: ...``) when they compete with a CPU measurement; None without psutil."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    busy = psutil.cpu_percent(interval=seconds) / 100  # this process is idle meanwhile: the rest is others' work
-    if busy > 0.25 and not torch.cuda.is_available():
-        print(f"{who}: warning: other processes kept {busy:.0%} of the {os.cpu_count()} CPUs busy: the speed "
-              "figures will be low and noisy (acceptance is unaffected); measure on an idle machine", flush=True)
-    return round(busy, 3)
 
 
 def _drop_assistant_config_notice(record: logging.LogRecord) -> bool:
@@ -561,10 +363,10 @@ def benchmark(
             (same settings), to measure several drafters against one baseline run; None runs it here.
         verify_costs: the target's verification costs from an earlier call (``verify_costs`` of its result),
             which depend on the target alone; None measures them here (:func:`measure_verify_costs` on the
-            first 3 prompts, made non-decreasing by :func:`monotone_verify_costs`; the raw medians are
-            ``verify_costs_measured``).
+            first 3 prompts in ``VERIFY_ROUNDS`` rounds, made non-decreasing by :func:`monotone_verify_costs`;
+            the raw medians are ``verify_costs_measured``, the rounds ``verify_cost_rounds``).
         forward_costs: ``(target 1-token forward in s, c)`` from an earlier measurement of these models
-            (:func:`measure_cost_ratios`, which times several drafters side by side); None times both here
+            (:func:`decode.costs.measure_cost_ratios`, which times several drafters side by side); None times both here
             (:func:`measure_forward_seconds` on the first 3 prompts, one more prefill of each model per prompt).
 
     Returns:
@@ -625,7 +427,7 @@ def benchmark(
     runs = _timed_runs(target, drafter, bar, target_outputs, spec_args, decode_args, seed=seed,
                        hf_drafter=hf_drafter if hf_assisted else None, hf_args=hf_args)
 
-    target_forward_s, cost_ratio, verify_costs, measured_verify = _measure_costs(
+    target_forward_s, cost_ratio, verify_costs, verify_rounds = _measure_costs(
         target, drafter, prompts, runs, draft_length, notes, verify_costs, forward_costs)
 
     def figures(subset):
@@ -637,7 +439,9 @@ def benchmark(
     if auto is not None:
         result["auto_draft_length"] = auto
     result["verify_costs"] = verify_costs
-    result["verify_costs_measured"] = measured_verify
+    result["verify_costs_measured"] = (
+        [statistics.median(r[n] for r in verify_rounds) for n in range(len(verify_costs))] if verify_rounds else None)
+    result["verify_cost_rounds"] = verify_rounds
     result["target_forward_s"] = target_forward_s  # 1-token target forward with a cache, timed alone
     result["notes"] = notes
     result["per_category"] = {category: figures([r for r in runs if r.category == category])
@@ -698,11 +502,11 @@ def _calibrate_draft_length(target, drafter, prompts, decode_args: dict, *, max_
 
 def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_length: int, notes: list[str],
                    given_verify: Sequence[float] | None, given_forward: tuple[float, float] | None = None,
-                   ) -> tuple[float, float, list[float], list[float] | None]:
+                   ) -> tuple[float, float, list[float], list[list[float]] | None]:
     """The cost model's inputs, timed on the first 3 prompts unless given: ``(one-token target forward in s, c,
-    verify costs per length in one-token target forwards (non-decreasing), the raw verify medians or None when
-    ``given_verify`` was used)``; a verification cost that makes speculation pay little is added to ``notes``
-    and printed."""
+    verify costs per length in one-token target forwards (non-decreasing), the raw rounds ``(rounds, lengths)``
+    behind them or None when ``given_verify`` was used)``; a verification cost that makes speculation pay little
+    is added to ``notes`` and printed."""
     calibration_ids = [ids for _, _, ids in prompts[:3]]
     if given_forward is not None:
         target_forward_s, cost_ratio = given_forward
@@ -711,19 +515,19 @@ def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_lengt
         cost_ratio = draft_forward_s / target_forward_s
     longest = max(max(r.speculative.stats.drafted_per_block, default=0) for r in runs)
     wanted = min(max(8, longest), 16) + 1
-    measured = None
+    rounds = None
     if given_verify is not None and len(given_verify) >= wanted:
         verify_costs = list(given_verify)
     else:
-        measured = measure_verify_costs(target, calibration_ids, wanted)
-        verify_costs = monotone_verify_costs(measured)
+        rounds = measure_verify_cost_rounds(target, calibration_ids, wanted, rounds=VERIFY_ROUNDS)
+        verify_costs = monotone_verify_costs([statistics.median(r[n] for r in rounds) for n in range(wanted)])
     slow_verify = verify_costs[min(draft_length, len(verify_costs) - 1)]
     if slow_verify > 2.0:
         notes.append(f"verifying K + 1 = {draft_length + 1} tokens cost {slow_verify:.1f} one-token target forwards on "
                      f"this host (about 1 where the weights are read once): speculation pays little here; see "
                      f"docs/cpu_linear.md (float32 CPU layers go through oneDNN, decode.cpu_linear.use_onednn_linear)")
         print(f"benchmark: warning: {notes[-1]}", flush=True)
-    return target_forward_s, cost_ratio, verify_costs, measured
+    return target_forward_s, cost_ratio, verify_costs, rounds
 
 
 def _per_prompt_rows(runs: list[_PromptRun], greedy: bool) -> list[dict]:

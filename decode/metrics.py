@@ -173,7 +173,7 @@ def theoretical_speedup(alpha: float, draft_length: int, cost_ratio: float) -> f
 
 def verify_cost_at(verify_costs: Sequence[float] | None, draft_length: int) -> float:
     """Cost of verifying K + 1 tokens in 1-token target forwards, from ``verify_costs[n - 1]`` (n tokens,
-    as ``decode.benchmark.measure_verify_costs`` measures them); beyond the list, extended linearly from its
+    as ``decode.costs.measure_verify_costs`` measures them); beyond the list, extended linearly from its
     last two entries; 1.0 (Leviathan et al.'s free verification) without measurements."""
     if not verify_costs:
         return 1.0

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.files import write_bytes_atomic, write_text_atomic
+from distill.measure.timing_trust import disturbed, disturbed_sentence, speed_verdict
 
 _ROWS = [  # (label, key, format)
     ("acceptance rate (accepted / drafted tokens)", "acceptance_rate", "{:.3f}"),
@@ -100,7 +101,8 @@ def simulated_drafters(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _best_k_speedup(sim: dict[str, Any]) -> str:
-    """The predicted speedup at the recommended K with its interval (costs held fixed), e.g. ``2.41x [2.33, 2.50]``."""
+    """The predicted speedup at the recommended K with its interval (prompts and timing rounds resampled), e.g.
+    ``2.41x [2.33, 2.50]``."""
     speedup = ((sim.get("per_k") or {}).get(str(sim.get("recommended_draft_length"))) or {}).get("predicted_speedup")
     interval = (sim.get("ci95") or {}).get("predicted_speedup_at_best_k")
     text = _fmt(speedup, "{:.2f}x")
@@ -108,17 +110,37 @@ def _best_k_speedup(sim: dict[str, Any]) -> str:
 
 
 def _costs_text(report: dict[str, Any]) -> str:
-    """How the c of the predicted speedups was measured, with its spread over the rounds."""
+    """How the c of the predicted speedups was measured, with its interval (or, in older reports, its range)
+    over the rounds, and the estimates from shapes and from the quickest rounds beside it when the timing was
+    disturbed."""
     costs = report.get("side_by_side_costs")
     if not costs:
         return "measured in this run's timed decoding"
-    spread = ", ".join(f"{_drafter_label(n)} "
-                       f"{c:.3f} [{costs['cost_ratio_range'][n][0]:.3f}-{costs['cost_ratio_range'][n][1]:.3f}]"
+    bounds = costs.get("cost_ratio_ci95") or costs["cost_ratio_range"]
+    spread = ", ".join(f"{_drafter_label(n)} {c:.3f} [{bounds[n][0]:.3f}, {bounds[n][1]:.3f}]"
                        for n, c in costs["cost_ratios"].items())
+    what = "c and its 95% interval over the rounds" if "cost_ratio_ci95" in costs else "c and its range over rounds"
     pooled = "".join(f"; {' and '.join(_drafter_label(n) for n in group)} have the same modules and shapes, so "
                      "they share one c from their pooled rounds" for group in costs.get("pooled") or [])
-    return (f"timed side by side ({costs['rounds']} interleaved rounds on {costs['prompts']} prompts, the target's "
-            f"one-token forward {costs['target_forward_ms']:.0f} ms; c and its range over rounds: {spread}{pooled})")
+    text = (f"timed side by side ({costs['rounds']} interleaved rounds on {costs['prompts']} prompts, the target's "
+            f"one-token forward {costs['target_forward_ms']:.0f} ms; {what}: {spread}{pooled})")
+    if disturbed(report) and costs.get("cost_ratio_fallback"):
+        fallback = ", ".join(f"{_drafter_label(n)} {f['cost_ratio']:.3f} (from {f['source']})"
+                             for n, f in costs["cost_ratio_fallback"].items())
+        floor = ", ".join(f"{_drafter_label(n)} {c:.3f}"
+                          for n, c in (costs.get("cost_ratio_quiet_floor") or {}).items())
+        text += (f". The timing was disturbed, so beside it, labelled: c {fallback} (shapes: the weight bytes one "
+                 f"token's forward reads, drafter / target)" + (f"; c from each model's quickest round: {floor}"
+                                                                 if floor else ""))
+    return text
+
+
+def _intervals_cover(report: dict[str, Any]) -> str:
+    """What the predicted speedups' intervals resample: prompts and timing rounds, or (older reports) prompts."""
+    if (report.get("side_by_side_costs") or {}).get("cost_ratio_rounds"):
+        return ("tau is exact, the costs are timings: the intervals resample the prompts and the timing rounds "
+                "together, so they cover both")
+    return "the costs carry timing noise, tau does not; the intervals hold them fixed"
 
 
 def _drafter_label(name: str) -> str:
@@ -133,7 +155,8 @@ def _verify_text(report: dict[str, Any]) -> str:
     shown = ", ".join(f"{n + 1}: {v:.2f}" for n, v in enumerate(smooth[:9]))
     text = f" (in one-token forwards by tokens verified, {shown}"
     if raw:
-        text += (f"; medians of 3 interleaved rounds on the first timed prompts, made non-decreasing, at most "
+        rounds = len(report.get("verify_cost_rounds") or []) or 3  # older reports: 3 rounds, not kept
+        text += (f"; medians of {rounds} interleaved rounds on the first timed prompts, made non-decreasing, at most "
                  f"{max(abs(a - b) for a, b in zip(smooth, raw)):.2f} from the raw medians")
     return text + ")"
 
@@ -148,8 +171,7 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
              f"{first.get('num_prompts')} prompts, {first.get('num_tokens')} target tokens, {first.get('kind')}, "
              f"K = {first.get('draft_length')} ({first.get('schedule')}); 95% intervals are bootstraps over prompts. Predicted speedup = "
              f"tau / (K c + verify cost), with one verification cost of the target{_verify_text(report)} and each "
-             f"drafter's c {_costs_text(report)} (the costs carry timing noise, tau does not; the intervals hold them "
-             f"fixed).", "",
+             f"drafter's c {_costs_text(report)} ({_intervals_cover(report)}).", "",
              "| drafter | acceptance | tau | predicted speedup at K | best K | predicted speedup at best K | "
              "heuristic schedule tau |", "|---|---|---|---|---|---|---|"]
     for label, sim in rows.items():
@@ -196,8 +218,8 @@ def _against_stock_lines(report: dict[str, Any]) -> list[str]:
     name = "the undistilled drafter" if stock == "undistilled" else f"`{short_name(stock)}`"
     timed = any(against.get("timed_speedup_ratio") is not None for _, against in rows)
     lines = ["", f"Against the stock drafter ({name}: the base model as shipped, whole, full vocabulary), paired on "
-             "the same prompts. The speedup ratio takes each drafter at its own best K with its measured c (held "
-             "fixed: the interval covers the prompts drawn, not timing noise)"
+             "the same prompts. The speedup ratio takes each drafter at its own best K with its measured c ("
+             + _intervals_cover(report) + ")"
              + ("; the timed ratio is the decoder's on the timed prompts only." if timed else "."), "",
              "| drafter | tau minus stock's, at the run's K | predicted speedup ratio at best K | best K (it / stock) | "
              "c (it / stock) |" + (" timed speedup ratio |" if timed else ""), "|---|---|---|---|---|" + ("---|" if timed else "")]
@@ -230,6 +252,8 @@ def _header(report: dict[str, Any]) -> list[str]:
         f"Engine: {report.get('engine')}; drafter run as "
         f"{(report.get('decode') or {}).get('drafter_quantization_used', 'stored')}.", "",
     ]
+    warning = disturbed_sentence(report)
+    lines += [warning, ""] if warning else []
     lines += _headline(report)
     lines += _training_data(report)
     lines += _simulated_lines(report)
@@ -261,11 +285,14 @@ def _headline(report: dict[str, Any]) -> list[str]:
     stock = _stock_section(report)
     if against and stock:
         lo, hi = against["ci95"]
-        verdict = ("faster, the interval excludes no gain" if lo > 1 else "slower" if hi < 1
-                   else "no difference shown at this size")
         lines[-1] += (f" Against the stock drafter ({_best_k_speedup(stock['simulated'])} at K = "
                       f"{stock['simulated'].get('recommended_draft_length')}): {against['ratio']:.3f}x its speed "
-                      f"[{lo:.3f}, {hi:.3f}], {verdict}.")
+                      f"[{lo:.3f}, {hi:.3f}], {speed_verdict(against, report)}.")
+        fallback = (report.get("against_stock") or {}).get("predicted_speedup_ratio_fallback")
+        if disturbed(report) and fallback:
+            lines[-1] += (f" With the fallback c instead (the distilled drafter's from {fallback['sources'][0]}, "
+                          f"the stock one's from {fallback['sources'][1]}): {fallback['ratio']:.3f}x "
+                          f"[{fallback['ci95'][0]:.3f}, {fallback['ci95'][1]:.3f}] over prompts.")
         best_label, best = _best_against_stock(report)
         if best is not None and best < 1.10:
             lines[-1] += (f" The pair leaves little headroom: the stock drafter {_stock_reach(stock['simulated'])}, "

@@ -22,12 +22,12 @@ from decode.acceptance import (
     SimulationSettings,
     TeacherForced,
     block_totals,
+    drafter_costs,
     paired_speedup_ratio,
     paired_tau_difference,
     simulate,
     simulated_section,
 )
-from decode.metrics import verify_cost_at
 from decode.prompt_lookup import DEFAULT_MAX_NGRAM
 from decode.stopping import StopStrings
 from decode.teacher_forcing import (
@@ -170,9 +170,13 @@ def teacher_forced_shared(drafters: dict[str, Any], prompts: Prompts, answers: l
 
 def simulated_drafter(samples: list[TeacherForced], settings: SimulationSettings, timed: dict[str, Any],
                       seed: int) -> tuple[dict, list]:
-    """``simulated`` of one model drafter, predicted speedups from its timed run's c and verification costs."""
+    """``simulated`` of one model drafter, predicted speedups from its timed run's c and verification costs
+    (``timed``: ``cost_ratio``, ``verify_costs`` and the timing rounds behind them, ``cost_ratio_rounds`` and
+    ``verify_cost_rounds``, which the intervals resample)."""
     return simulated_section(samples, settings, cost_ratio=timed.get("cost_ratio"),
-                             verify_costs=timed.get("verify_costs"), seed=seed)
+                             verify_costs=timed.get("verify_costs"), seed=seed,
+                             cost_ratio_rounds=timed.get("cost_ratio_rounds") or (),
+                             verify_cost_rounds=timed.get("verify_cost_rounds") or ())
 
 
 @dataclass
@@ -194,13 +198,15 @@ class Pairing:
 def pairing_of(samples: list[TeacherForced], settings: SimulationSettings, section: dict[str, Any],
                totals: list[BlockTotals], timed: dict[str, Any]) -> Pairing:
     """The :class:`Pairing` of a drafter whose ``simulated`` section is ``section`` (``totals`` at the run's
-    K) and whose costs come from ``timed`` (``cost_ratio``, ``verify_costs``)."""
+    K) and whose costs come from ``timed`` (``cost_ratio``, ``verify_costs`` and their rounds)."""
     best, c = section.get("recommended_draft_length"), timed.get("cost_ratio")
     if best is None or c is None:
         return Pairing(totals)
     at_best = totals if best == settings.draft_length and settings.schedule == "constant" else \
         block_totals(samples, settings, draft_length=best)
-    return Pairing(totals, best, at_best, DrafterCosts(c, verify_cost_at(timed.get("verify_costs"), best)))
+    return Pairing(totals, best, at_best, drafter_costs(c, timed.get("verify_costs"), best,
+                                                        cost_ratio_rounds=timed.get("cost_ratio_rounds") or (),
+                                                        verify_cost_rounds=timed.get("verify_cost_rounds") or ()))
 
 
 def paired_against(a: Pairing, b: Pairing, seed: int) -> dict[str, Any]:
@@ -212,6 +218,19 @@ def paired_against(a: Pairing, b: Pairing, seed: int) -> dict[str, Any]:
             **paired_speedup_ratio(a.at_best_k, a.best_costs, b.at_best_k, b.best_costs, seed=seed),
             "draft_lengths": [a.best_k, b.best_k], "cost_ratios": [a.best_costs.cost_ratio, b.best_costs.cost_ratio]}
     return result
+
+
+def ratio_with_costs(a: Pairing, b: Pairing, cost_ratios: tuple[float, float], seed: int) -> dict[str, Any] | None:
+    """The predicted-speedup ratio of a over b at the same K and verification costs as :func:`paired_against`
+    but with other c (``cost_ratios``: a's, b's; e.g. estimated from shapes where timing was disturbed), the
+    interval over prompts alone; None where either has no costs."""
+    if not (a.best_costs and b.best_costs) or None in cost_ratios:
+        return None
+    costs_a = DrafterCosts(cost_ratios[0], a.best_costs.verify_cost)
+    costs_b = DrafterCosts(cost_ratios[1], b.best_costs.verify_cost)
+    result = paired_speedup_ratio(a.at_best_k, costs_a, b.at_best_k, costs_b, seed=seed)
+    return {"ratio": result["ratio"], "ci95": result["ci95"], "cost_ratios": list(cost_ratios),
+            "draft_lengths": [a.best_k, b.best_k]}
 
 
 def simulated_choice(section: dict[str, Any], timed_choice: dict[str, Any] | None) -> dict[str, Any] | None:

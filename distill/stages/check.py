@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.acceptance import SimulationSettings, simulated_section
-from decode.benchmark import machine_busy, measure_cost_ratio, measure_verify_costs, monotone_verify_costs
+from decode.costs import machine_busy, measure_cost_ratio, measure_verify_costs, monotone_verify_costs
 from decode.cpu_linear import use_onednn_linear
 from decode.draft_length import DraftLengthChoice, expected_speedup, rule_of_thumb_draft_length
 from decode.metrics import DecodeStats, verify_cost_at

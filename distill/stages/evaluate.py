@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from decode.acceptance import paired_tau_difference
-from decode.benchmark import benchmark, machine_busy, measure_cost_ratios, run_target_alone
+from decode.benchmark import benchmark, run_target_alone
+from decode.costs import machine_busy, measure_cost_ratios
 from decode.cpu_linear import use_onednn_linear
 from decode.quantization import drafter_for_decoding, resolve_quantization
+from decode.timing import CpuWatch
 from distill import parallel
 from distill.config import Config
 from distill.data.generated import load_generated
@@ -41,6 +43,7 @@ from distill.measure.simulation import (
     paired_against,
     pairing_of,
     prompt_lookup_section,
+    ratio_with_costs,
     settings_of,
     shared_body_groups,
     simulated_choice,
@@ -49,6 +52,8 @@ from distill.measure.simulation import (
     teacher_forced,
     teacher_forced_shared,
 )
+from distill.measure.quiet_costs import fallback_costs, remember
+from distill.measure.timing_trust import report_timing
 from distill.models.loading import eos_token_ids, load_model
 from distill.models.reduced_vocab import (
     draft_vocabulary_of,
@@ -139,16 +144,17 @@ def _as_distilled(cfg: Config, info: dict[str, Any]) -> Config:
 
 def _measure_drafter(cfg: Config, ev: "_Evaluation", alone, runner, key: str, *, costs: dict[str, Any],
                      samples: dict[str, list], hf_assisted: bool = False, check: bool = False,
-                     verify_costs: list[float] | None = None, untimed_like: dict[str, Any] | None = None
-                     ) -> tuple[dict[str, Any], Pairing]:
+                     verify_costs: list[float] | None = None, verify_rounds: list[list[float]] | None = None,
+                     untimed_like: dict[str, Any] | None = None) -> tuple[dict[str, Any], Pairing]:
     """One drafter as the decoder runs it (``runner``, named ``key`` in ``costs`` and ``samples``): timed on
     ``ev.timed`` (``decode.benchmark``), then its exact acceptance on every prompt's answer under ``simulated``
     from its teacher-forced pass ``samples[key]`` (and ``simulation_check`` with ``check``); returns the figures
     and its per-prompt block totals (:class:`Pairing`, for paired differences). The predicted speedups take c
-    from ``costs`` (every drafter timed side by side, :func:`decode.benchmark.measure_cost_ratios`) and
-    ``verify_costs`` (the target's, from the first drafter's run), so that between drafters only c differs,
-    measured alike. With ``untimed_like`` (the distilled drafter's figures) it is not decoded in real time: its
-    section holds the simulated figures alone, at that drafter's K (``evaluate.timed_drafters=distilled``)."""
+    from ``costs`` (every drafter timed side by side, :func:`decode.costs.measure_cost_ratios`) and
+    ``verify_costs`` (the target's, from the first drafter's run, with its timing rounds ``verify_rounds``), so
+    that between drafters only c differs, measured alike; their intervals resample those timing rounds. With
+    ``untimed_like`` (the distilled drafter's figures) it is not decoded in real time: its section holds the
+    simulated figures alone, at that drafter's K (``evaluate.timed_drafters=distilled``)."""
     start = time.perf_counter()
     if untimed_like is None:
         figures = benchmark(ev.target, runner, ev.timed, hf_assisted=hf_assisted, target_outputs=alone,
@@ -163,7 +169,9 @@ def _measure_drafter(cfg: Config, ev: "_Evaluation", alone, runner, key: str, *,
         seconds = {}
     seconds["teacher_forced"] = ev.teacher_forced_seconds[key]
     simulation = settings_of(cfg.decode, figures)
-    model_costs = {"cost_ratio": costs["cost_ratios"][key], "verify_costs": verify_costs or figures.get("verify_costs")}
+    model_costs = {"cost_ratio": costs["cost_ratios"][key], "verify_costs": verify_costs or figures.get("verify_costs"),
+                   "cost_ratio_rounds": (costs.get("cost_ratio_rounds") or {}).get(key),
+                   "verify_cost_rounds": verify_rounds if verify_costs else figures.get("verify_cost_rounds")}
     figures["simulated"], totals = simulated_drafter(samples[key], simulation, model_costs, cfg.evaluate.seed)
     figures["simulated"]["cost_ratio"] = model_costs["cost_ratio"]  # side by side, as the timed run's
     figures["draft_length_choice"] = simulated_choice(figures["simulated"], figures.get("draft_length_choice"))
@@ -197,14 +205,14 @@ def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, mea
     dec = cfg.decode
     pairings = {"distilled": tuned}
     verify = report.get("verify_costs")
+    measure = functools.partial(measure, verify_costs=verify, verify_rounds=report.get("verify_cost_rounds"))
     untimed = ""
     if cfg.evaluate.timed_drafters != "all":  # exact tau and side-by-side c predict their speed; no decoding
         measure = functools.partial(measure, untimed_like=report)
         untimed = ", simulated (not timed: evaluate.timed_drafters=distilled)"
     if "undistilled" in runners:
         print(f"evaluate: undistilled drafter on the same prompts{untimed}")
-        report["baseline_drafter"], pairings["undistilled"] = measure(runners.pop("undistilled"), "undistilled",
-                                                                      verify_costs=verify)
+        report["baseline_drafter"], pairings["undistilled"] = measure(runners.pop("undistilled"), "undistilled")
         report["paired_difference"] = {
             **paired_tau_difference(tuned.at_k, pairings["undistilled"].at_k, seed=cfg.evaluate.seed),
             "of": "distilled minus undistilled, simulated tau on the same prompts",
@@ -217,7 +225,7 @@ def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, mea
         report["compared_drafters"] = {}
     for name in list(runners):
         print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts{untimed}")
-        report["compared_drafters"][name], pairings[name] = measure(runners.pop(name), name, verify_costs=verify)
+        report["compared_drafters"][name], pairings[name] = measure(runners.pop(name), name)
     _against_stock(cfg, report, pairings)
     if cfg.evaluate.prompt_lookup:
         lookup = prompt_lookup_section(prompts, answers, settings_of(dec, report), verify, cfg.evaluate.seed)
@@ -228,9 +236,11 @@ def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, mea
 def _against_stock(cfg: Config, report: dict[str, Any], pairings: dict[str, Pairing]) -> None:
     """``against_stock`` in every drafter's section: it against the stock drafter (the base model as shipped,
     whole and with its full vocabulary: what a user decodes with without draftsmith) on the same prompts, the
-    tau difference and the predicted-speedup ratio at each one's best K (paired intervals), and the timed
-    subset's speedup ratio. The stock drafter is the undistilled one for a whole sibling drafter, else the
-    ``compare_drafters`` entry named ``drafter.base_name``; nothing is added when neither was measured."""
+    tau difference and the predicted-speedup ratio at each one's best K (paired intervals over prompts and
+    timing rounds), the same ratio with the fallback c (:func:`distill.measure.quiet_costs.fallback_costs`,
+    for where the timing was disturbed), and the timed subset's speedup ratio. The stock drafter is the
+    undistilled one for a whole sibling drafter, else the ``compare_drafters`` entry named
+    ``drafter.base_name``; nothing is added when neither was measured."""
     sections = {"distilled": report, "undistilled": report.get("baseline_drafter"),
                 **(report.get("compared_drafters") or {})}
     stock = report["drafter_stock"] = _stock_key(report, pairings)
@@ -242,6 +252,12 @@ def _against_stock(cfg: Config, report: dict[str, Any], pairings: dict[str, Pair
         section = sections[key]
         section["against_stock"] = {**paired_against(pairing, pairings[stock], cfg.evaluate.seed),
                                     "timed_speedup_ratio": ratio_or_none(section.get("speedup"), sections[stock].get("speedup"))}
+        fallback = (report.get("side_by_side_costs") or {}).get("cost_ratio_fallback") or {}
+        c_pair = tuple((fallback.get(k) or {}).get("cost_ratio") for k in (key, stock))
+        by_fallback = ratio_with_costs(pairing, pairings[stock], c_pair, cfg.evaluate.seed)
+        if by_fallback:  # where timing cannot be trusted: c from this host's quiet runs or from shapes
+            by_fallback["sources"] = [fallback[k]["source"] for k in (key, stock)]
+            section["against_stock"]["predicted_speedup_ratio_fallback"] = by_fallback
 
 
 def _stock_key(report: dict[str, Any], pairings: dict[str, Pairing]) -> str | None:
@@ -310,6 +326,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
         "distill_inputs": distill_manifest.get("inputs", {}),  # the generate runs it was trained on
     })
     _add_notes(cfg, report, ev.quantization, ev.busy, gen_manifest)
+    if not report["timing"]["disturbed"]:
+        remember(report["side_by_side_costs"], str(run_dir))
     _add_distill_validation(report, distill_manifest)
     report["phase_seconds"] = laps.seconds  # where evaluate's time went (each drafter's own split: its "seconds")
     report["phase_peak_rss_gib"] = laps.peak_gib
@@ -414,15 +432,30 @@ def _teacher_forced_passes(cfg: Config, ev: _Evaluation) -> dict[str, list]:
 
 def _timed_and_simulated(cfg: Config, ev: _Evaluation, samples: dict[str, list], laps: "_Laps") -> dict[str, Any]:
     """The timed runs on ``ev.timed`` (target alone, c side by side, each drafter) and every drafter's
-    simulated figures: the report's body, the distilled drafter's figures at its top level."""
+    simulated figures: the report's body, the distilled drafter's figures at its top level, and ``timing``
+    (:func:`distill.measure.timing_trust.report_timing`: whether the machine disturbed the timing)."""
     ev.busy = machine_busy("evaluate")
+    with CpuWatch() as watch:
+        report = _timed_drafters(cfg, ev, samples, laps)
+    report["timing"] = report_timing(report["side_by_side_costs"], report.get("verify_cost_rounds"),
+                                     report["draft_length"], ev.busy, watch.others_share)
+    if report["timing"]["disturbed"] and not torch.cuda.is_available():
+        print("evaluate: warning: the timing was disturbed: " + "; ".join(report["timing"]["reasons"]) +
+              ". Acceptance is exact; speed verdicts are withheld (re-run on an idle machine)", flush=True)
+    return report
+
+
+def _timed_drafters(cfg: Config, ev: _Evaluation, samples: dict[str, list], laps: "_Laps") -> dict[str, Any]:
+    """:func:`_timed_and_simulated` without the timing check."""
     runners = ev.runners  # emptied as each drafter is done (memory)
     print(f"evaluate: target alone on {len(ev.timed)} of them, timed (evaluate.timed_prompts)")
     alone = run_target_alone(ev.target, ev.timed, vocab_size=ev.vocab, engine=cfg.evaluate.target_engine,
                              **_decode_args(cfg, ev.eos, ev.tokenizer))
     laps("target_alone")
-    print(f"evaluate: c of the {len(runners)} drafters, timed side by side (5 rounds on {min(3, len(ev.timed))} prompts)")
-    costs = measure_cost_ratios(ev.target, runners, [ids for _, _, ids in ev.timed[:3]])
+    print(f"evaluate: c of the {len(runners)} drafters, timed side by side (interleaved rounds on "
+          f"{min(3, len(ev.timed))} prompts, more rounds while they disagree)")
+    costs = measure_cost_ratios(ev.target, runners, [ids for _, _, ids in ev.timed[:3]], seed=cfg.evaluate.seed)
+    costs["cost_ratio_fallback"] = fallback_costs(costs)  # stands in, labelled, where the timing was disturbed
     laps("cost_ratios")
     measure = functools.partial(_measure_drafter, cfg, ev, alone, costs=costs, samples=samples)
     print("evaluate: distilled drafter, timed")

@@ -25,6 +25,7 @@ from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO
 from distill.errors import ConfigError, DamagedRunError, DraftsmithError, IncompleteRunError
 from distill.files import atomic_dir, write_text_atomic
 from distill.measure.report import REPORT_JSON
+from distill.measure.timing_trust import disturbed_sentence
 from distill.models.gguf import export_gguf
 from distill.models.loading import resolve_model
 from distill.models.reduced_vocab import DRAFT_VOCAB_FILE
@@ -97,10 +98,9 @@ def _speed_caveats(report: dict[str, Any]) -> list[str]:
     target = report.get("target_tokens_per_s")
     if target:
         notes.append(f"Speedups are the machine's own: the target alone ran at {target:.2f} tokens/s there.")
-    busy = report.get("cpu_busy_before")
-    if busy is not None and busy > 0.25:
-        notes.append(f"**The machine was busy while measuring** (other processes used {busy:.0%} of its CPUs): "
-                     "the speedups are low or noisy; acceptance rates are not affected.")
+    warning = disturbed_sentence(report)
+    if warning:
+        notes.append(warning)
     for who, figures in (("undistilled drafter's", report.get("baseline_drafter") or {}), ("distilled drafter's", report)):
         ratio = figures.get("measured_over_theoretical")
         if ratio is not None and not 0.5 <= ratio <= 2.0:

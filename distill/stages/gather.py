@@ -25,6 +25,7 @@ from distill.config import Config
 from distill.drafters.build import describe_layers
 from distill.errors import DraftsmithError
 from distill.files import write_text_atomic
+from distill.measure.timing_trust import disturbed, speed_verdict_word
 from distill.runs import REUSED, StageRun, is_complete, read_manifest
 
 FIGURES = (  # (column, path in report.json)
@@ -39,6 +40,8 @@ FIGURES = (  # (column, path in report.json)
     ("speedup_ratio_vs_stock_lo", ("against_stock", "predicted_speedup_ratio", "ci95", 0)),
     ("speedup_ratio_vs_stock_hi", ("against_stock", "predicted_speedup_ratio", "ci95", 1)),
     ("tau_vs_stock", ("against_stock", "tau_difference", "mean_accepted_tokens")),
+    # true when other processes used the CPUs or the timing rounds disagreed: no speed verdict then
+    ("timing_disturbed", ("timing", "disturbed")),
     ("timed_speedup_ratio_vs_stock", ("against_stock", "timed_speedup_ratio")),
     ("cost_ratio", ("cost_ratio",)),
     ("prompt_lookup_tau", ("baselines", "prompt_lookup", "simulated", "mean_accepted_tokens")),
@@ -158,7 +161,7 @@ def collect(sweep: Path) -> tuple[list[dict[str, Any]], list[str]]:
 DRAFTER_COLUMNS = ("job", "drafter", "prompts", "acceptance", "acceptance_lo", "acceptance_hi", "tau", "tau_lo",
                    "tau_hi", "top1_agreement", "best_k", "cost_ratio", "predicted_speedup", "predicted_speedup_lo",
                    "predicted_speedup_hi", "ratio_vs_stock", "ratio_vs_stock_lo", "ratio_vs_stock_hi",
-                   "timed_speedup")
+                   "verdict_vs_stock", "timing", "timed_speedup")
 
 
 def drafter_rows(sweep: Path) -> list[dict[str, Any]]:
@@ -177,11 +180,14 @@ def drafter_rows(sweep: Path) -> list[dict[str, Any]]:
                     ("undistilled", report.get("baseline_drafter") or {}),
                     *((str(name), other) for name, other in (report.get("compared_drafters") or {}).items()),
                     ("prompt lookup (drafting free)", lookup)]
-        rows += [_drafter_row(job.name, label, section) for label, section in sections if section.get("simulated")]
+        rows += [_drafter_row(job.name, label, section, report) for label, section in sections
+                 if section.get("simulated")]
     return rows
 
 
-def _drafter_row(job: str, label: str, section: dict[str, Any]) -> dict[str, Any]:
+def _drafter_row(job: str, label: str, section: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """One drafter's row of :data:`DRAFTER_COLUMNS` from its ``section`` of ``report``; ``verdict_vs_stock``
+    follows :func:`distill.measure.timing_trust.speed_verdict` (none where the job's timing was disturbed)."""
     sim = section["simulated"]
     best = sim.get("recommended_draft_length")
     ratio = (section.get("against_stock") or {}).get("predicted_speedup_ratio") or {}
@@ -189,7 +195,9 @@ def _drafter_row(job: str, label: str, section: dict[str, Any]) -> dict[str, Any
            "tau": sim.get("mean_accepted_tokens"), "top1_agreement": sim.get("top1_agreement"), "best_k": best,
            "cost_ratio": sim.get("cost_ratio", section.get("cost_ratio")),  # side by side, timed or not
            "predicted_speedup": ((sim.get("per_k") or {}).get(str(best)) or {}).get("predicted_speedup"),
-           "ratio_vs_stock": ratio.get("ratio"), "timed_speedup": section.get("speedup")}
+           "ratio_vs_stock": ratio.get("ratio"), "timed_speedup": section.get("speedup"),
+           "verdict_vs_stock": speed_verdict_word(ratio, report) if ratio.get("ci95") else None,
+           "timing": "disturbed" if disturbed(report) else "quiet"}
     for name, interval in (("acceptance", _dig(sim, ("ci95", "acceptance_rate"))),
                            ("tau", _dig(sim, ("ci95", "mean_accepted_tokens"))),
                            ("predicted_speedup", _dig(sim, ("ci95", "predicted_speedup_at_best_k"))),
@@ -216,13 +224,16 @@ def render_drafters(rows: list[dict[str, Any]]) -> tuple[str, str]:
     lines = ["## Every drafter, side by side within its job", "",
              "Simulated exactly on the job's held-out prompts (95% bootstrap intervals over prompts); the predicted "
              "speedup is at each drafter's best K with its measured c; the ratio to the stock drafter is paired on "
-             "the same prompts (costs held fixed); timed speedup: the decoder on the timed prompts, at the run's K.",
+             "the same prompts (newer reports resample the timing rounds too); its verdict is given only where the "
+             "interval excludes 1 and the job's timing was quiet (`timing`: disturbed when other processes used the "
+             "CPUs or the timing rounds disagreed); timed speedup: the decoder on the timed prompts, at the run's K.",
              "", "| job | drafter | prompts | acceptance | tau | top-1 agreement | best K | c | predicted speedup | "
-             "ratio to stock | timed speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ratio to stock | verdict | timing | timed speedup |", "|---" * 13 + "|"]
     lines += [f"| {r['job']} | {r['drafter']} | {_fmt(r['prompts'])} | {interval(r, 'acceptance', '{:.3f}')} | "
               f"{interval(r, 'tau', '{:.2f}')} | {_fmt(r['top1_agreement'])} | {_fmt(r['best_k'])} | "
               f"{_fmt(r['cost_ratio'])} | {interval(r, 'predicted_speedup', '{:.2f}')} | "
-              f"{interval(r, 'ratio_vs_stock', '{:.3f}')} | {_fmt(r['timed_speedup'])} |" for r in rows]
+              f"{interval(r, 'ratio_vs_stock', '{:.3f}')} | {_fmt(r['verdict_vs_stock'])} | {r['timing']} | "
+              f"{_fmt(r['timed_speedup'])} |" for r in rows]
     return buffer.getvalue(), "\n".join(lines) + "\n"
 
 
@@ -279,7 +290,7 @@ def render(rows: list[dict[str, Any]], swept: list[str], sweep: Path) -> tuple[s
     writer.writeheader()
     writer.writerows(rows)
     shown = ["job", *swept, "drafter", "status", "simulated_tau", "tau_gain", "speedup_ratio_vs_stock",
-             "acceptance_rate", "mean_accepted_tokens", "speedup",
+             "timing_disturbed", "acceptance_rate", "mean_accepted_tokens", "speedup",
              "baseline_simulated_tau", "val_expected_acceptance", "val_top1_agreement", "distill_s", "outputs_match_target"]
     planned = planned_jobs(sweep)
     missing = (f" {planned - len(rows)} of the {planned} planned jobs never started: Hydra stops a sweep at its "

@@ -16,6 +16,7 @@ from decode.acceptance import (
     expected_sampling_blocks,
     figures,
     DrafterCosts,
+    drafter_costs,
     paired_speedup_ratio,
     paired_tau_difference,
     simulate_greedy,
@@ -257,9 +258,39 @@ def test_paired_speedup_ratio_is_the_cost_models_ratio_with_a_paired_interval():
     # the same blocks at a lower c: the ratio is fixed by the costs, so every resample gives nearly the same
     assert ratio["ratio"] == pytest.approx(expected) and ratio["ratio"] > 1
     assert ratio["ci95"][0] > 1 and ratio["ci95"][1] - ratio["ci95"][0] < 0.02
-    assert paired_speedup_ratio(totals, cheap, totals, cheap) == {"ratio": 1.0, "ci95": [1.0, 1.0]}
+    assert ratio["ci95"] == ratio["ci95_prompts_only"] and ratio["interval_covers"] == "prompts (costs held fixed)"
+    same_costs = paired_speedup_ratio(totals, cheap, totals, cheap)
+    assert same_costs["ratio"] == 1.0 and same_costs["ci95"] == [1.0, 1.0]
     with pytest.raises(ValueError):
         paired_speedup_ratio(totals, cheap, totals[:3], dear)
+
+
+def test_the_ratios_interval_resamples_the_timing_rounds_with_the_prompts():
+    """c timed in rounds that disagree (a's and b's rounds disturbed in turn): the interval that resamples the
+    rounds with the prompts spans both orders, where the one that holds the medians fixed stays tight."""
+    totals = [t for t, _ in [_totals([3, 3, 2, 3]), _totals([3, 1, 3]), _totals([2, 3, 3, 3])] * 10]
+    rounds_a, rounds_b = (0.5, 0.1, 0.5, 0.1, 0.5), (0.1, 0.5, 0.1, 0.5, 0.1)
+    a = drafter_costs(0.5, [1.0, 1.1, 1.2, 1.3], 3, cost_ratio_rounds=rounds_a)
+    b = drafter_costs(0.1, [1.0, 1.1, 1.2, 1.3], 3, cost_ratio_rounds=rounds_b)
+    assert a.rounds == (5, 1) and a.verify_cost == 1.3
+    ratio = paired_speedup_ratio(totals, a, totals, b)
+    assert ratio["ratio"] < 0.7 and ratio["ci95_prompts_only"][1] < 0.7  # today's reading: "slower", tightly
+    assert ratio["ci95"][0] < 0.7 and ratio["ci95"][1] > 1.4  # the rounds' disagreement, both ways
+    assert ratio["interval_covers"] == "prompts and timing rounds"
+    # rounds that agree leave the interval where the prompts put it
+    steady = paired_speedup_ratio(totals, drafter_costs(0.5, None, 3, cost_ratio_rounds=(0.5,) * 5),
+                                  totals, drafter_costs(0.1, None, 3, cost_ratio_rounds=(0.1,) * 5))
+    assert steady["ci95"] == pytest.approx(steady["ci95_prompts_only"], abs=0.01)
+    with pytest.raises(ValueError, match="different rounds"):
+        paired_speedup_ratio(totals, a, totals, drafter_costs(0.1, None, 3, cost_ratio_rounds=(0.1,) * 4))
+
+
+def test_verification_rounds_are_scaled_to_the_smoothed_cost():
+    rounds = [[1.0, 1.2, 1.6], [1.0, 1.4, 1.8], [1.0, 1.3, 1.7]]
+    costs = drafter_costs(0.2, [1.0, 1.3, 1.5], 2, verify_cost_rounds=rounds)
+    assert costs.verify_cost == 1.5 and costs.rounds == (1, 3)
+    assert costs.verify_cost_rounds == pytest.approx((1.5 * 1.6 / 1.7, 1.5 * 1.8 / 1.7, 1.5))
+    assert costs.resampled([0], [1, 1, 1]) == DrafterCosts(0.2, pytest.approx(1.5 * 1.8 / 1.7))
 
 
 def test_simulated_section_fields(pair):

@@ -5,7 +5,8 @@ import warnings
 import pytest
 import torch
 
-from decode.benchmark import benchmark, measure_verify_costs, monotone_verify_costs, run_target_alone
+from decode.benchmark import benchmark, run_target_alone
+from decode.costs import measure_verify_costs, monotone_verify_costs
 from decode.speculative import speculative_generate, target_generate
 from decode.stopping import StopStrings
 from distill.models.tiny import tiny_tokenizer
@@ -288,9 +289,10 @@ def test_hf_assisted_defaults_on_tiny_models(target, drafter):
 
 
 def test_side_by_side_cost_ratios_are_medians_of_interleaved_rounds(target, drafter):
-    from decode.benchmark import measure_cost_ratios
+    from decode.costs import measure_cost_ratios
 
-    costs = measure_cost_ratios(target, {"small": drafter, "itself": target}, PROMPTS[:2], rounds=3, repeats=2)
+    costs = measure_cost_ratios(target, {"small": drafter, "itself": target}, PROMPTS[:2], rounds=3, max_rounds=3,
+                                repeats=2)
     assert set(costs["cost_ratios"]) == set(costs["cost_ratio_range"]) == {"small", "itself"}
     assert costs["rounds"] == 3 and costs["prompts"] == 2 and costs["target_forward_ms"] > 0
     for name, c in costs["cost_ratios"].items():
@@ -307,7 +309,7 @@ def test_drafters_of_the_same_shapes_share_one_cost_ratio(target, drafter):
     runs the same kernels: one c for both, from their pooled rounds; another shape keeps its own."""
     import copy
 
-    from decode.benchmark import cost_signature, measure_cost_ratios
+    from decode.costs import cost_signature, measure_cost_ratios
     from decode.quantization import drafter_for_decoding
 
     trained = copy.deepcopy(drafter)
@@ -320,7 +322,7 @@ def test_drafters_of_the_same_shapes_share_one_cost_ratio(target, drafter):
     int8_trained = drafter_for_decoding(copy.deepcopy(trained), "int8-dynamic")
     assert cost_signature(int8_trained) == cost_signature(int8)
     costs = measure_cost_ratios(target, {"base": drafter, "trained": trained, "itself": target}, PROMPTS[:2],
-                                rounds=3, repeats=2)
+                                rounds=3, max_rounds=3, repeats=2)
     assert costs["pooled"] == [["base", "trained"]]
     assert costs["cost_ratios"]["base"] == costs["cost_ratios"]["trained"]
     assert costs["cost_ratio_range"]["base"] == costs["cost_ratio_range"]["trained"]  # the pooled rounds' range

@@ -6,7 +6,8 @@ import torch
 from tiny_models import tiny_qwen2
 from transformers import Qwen2ForCausalLM
 
-from decode.benchmark import benchmark, measure_cost_ratio
+from decode.benchmark import benchmark
+from decode.costs import measure_cost_ratio
 from decode.speculative import speculative_generate, target_generate
 
 VOCAB = 300

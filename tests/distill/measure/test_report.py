@@ -117,7 +117,8 @@ def test_costs_text_names_drafters_that_share_one_c():
                                     "pooled": [["distilled", "undistilled"]], "rounds": 5, "prompts": 3,
                                     "target_forward_ms": 180.0}
     text = render_report_markdown(report)
-    assert "distilled 0.200 [0.190-0.220], undistilled 0.200 [0.180-0.210], stock 0.250 [0.240-0.260]" in text
+    assert "distilled 0.200 [0.190, 0.220], undistilled 0.200 [0.180, 0.210], stock 0.250 [0.240, 0.260]" in text
+    assert "c and its range over rounds" in text  # an older report: no interval, its range
     assert "distilled and undistilled have the same modules and shapes, so they share one c" in text
 
 
@@ -152,3 +153,70 @@ def test_the_training_sentence_says_who_wrote_the_answers():
             "target).") in render_report_markdown(report)
     report["data"]["answers"] = "target"
     assert "(5,669 answer tokens, written by the target)." in render_report_markdown(report)
+
+
+def _against_stock_report(ratio, ci95, timing=None) -> dict:
+    report = _report()
+    sim = {"num_prompts": 64, "num_tokens": 4000, "draft_length": 3, "acceptance_rate": 0.7,
+           "mean_accepted_tokens": 3.0, "recommended_draft_length": 4,
+           "per_k": {"4": {"predicted_speedup": 2.0}}, "ci95": {"predicted_speedup_at_best_k": [1.9, 2.1]}}
+    report["simulated"] = sim
+    report["baseline_drafter"]["simulated"] = {**sim, "top1_agreement": 0.8}
+    report["drafter_stock"] = "undistilled"
+    report["against_stock"] = {"predicted_speedup_ratio": {"ratio": ratio, "ci95": ci95},
+                               "predicted_speedup_ratio_fallback": {
+                                   "ratio": 0.99, "ci95": [0.97, 1.01],
+                                   "sources": ["a quiet run on this host (2026-12-05 08:00)",
+                                               "a quiet run on this host (2026-12-05 08:00)"]}}
+    report["side_by_side_costs"] = {
+        "cost_ratios": {"distilled": 0.215, "undistilled": 0.051}, "rounds": 20, "prompts": 3,
+        "cost_ratio_range": {"distilled": [0.031, 1.114], "undistilled": [0.029, 0.542]},
+        "cost_ratio_ci95": {"distilled": [0.05, 0.9], "undistilled": [0.03, 0.3]},
+        "cost_ratio_rounds": {"distilled": [0.2] * 20, "undistilled": [0.05] * 20}, "target_forward_ms": 739.0,
+        "cost_ratio_from_shapes": {"distilled": 0.3, "undistilled": 0.31},
+        "cost_ratio_fallback": {"distilled": {"cost_ratio": 0.134,
+                                              "source": "a quiet run on this host (2026-12-05 08:00)"},
+                                "undistilled": {"cost_ratio": 0.137, "source": "shapes, calibrated by 2 quiet "
+                                                                               "measurement(s) on this host"}},
+        "cost_ratio_quiet_floor": {"distilled": 0.031, "undistilled": 0.029}}
+    if timing is not None:
+        report["timing"] = timing
+    return report
+
+
+def test_no_speed_verdict_from_disturbed_timing():
+    """The issue's busy run: c 0.215 against 0.051 from rounds spread over [0.03, 1.1]. The report says at the
+    top that the timing was disturbed and states neither "slower" nor "faster"; the estimate from shapes
+    stands beside it. On quiet timing the same interval gives its verdict."""
+    disturbed = {"disturbed": True, "reasons": ["other processes used 48% of the CPUs while the costs were timed"]}
+    text = render_report_markdown(_against_stock_report(0.585, [0.548, 0.622], disturbed))
+    top = text.split("## In short")[0]
+    assert "**The timing was disturbed**: other processes used 48% of the CPUs" in top
+    short = text.split("## In short")[1].split("##")[0]
+    assert "0.585x its speed [0.548, 0.622], not judged: the timing was disturbed" in short
+    assert "slower" not in short and "faster" not in short
+    assert ("With the fallback c instead (the distilled drafter's from a quiet run on this host (2026-12-05 08:00), "
+            "the stock one's from a quiet run on this host (2026-12-05 08:00)): 0.990x [0.970, 1.010]") in short
+    assert "distilled 0.215 [0.050, 0.900]" in text
+    assert "c distilled 0.134 (from a quiet run on this host (2026-12-05 08:00)), undistilled 0.137 (from shapes, " \
+           "calibrated by 2 quiet measurement(s) on this host)" in text
+    assert "the intervals resample the prompts and the timing rounds together" in text
+    quiet = render_report_markdown(_against_stock_report(0.585, [0.548, 0.622], {"disturbed": False, "reasons": []}))
+    assert "The timing was disturbed" not in quiet and "slower, the interval excludes no loss" in quiet
+    assert "fallback" not in quiet
+    even = render_report_markdown(_against_stock_report(0.99, [0.95, 1.03], {"disturbed": False, "reasons": []}))
+    assert "0.990x its speed [0.950, 1.030], no difference shown at this size" in even
+
+
+def test_the_model_card_and_older_reports_follow_the_same_rule():
+    from distill.measure.timing_trust import disturbed, speed_verdict_word
+    from distill.stages.export import _speed_caveats
+
+    busy = _against_stock_report(0.585, [0.548, 0.622], {"disturbed": True, "reasons": ["the rounds disagree"]})
+    assert any("**The timing was disturbed**: the rounds disagree" in line for line in _speed_caveats(busy))
+    older = _against_stock_report(0.585, [0.548, 0.622])  # no "timing": the busy share before measuring decides
+    older["cpu_busy_before"] = 0.4
+    assert disturbed(older) and speed_verdict_word(older["against_stock"]["predicted_speedup_ratio"], older) == \
+        "not judged"
+    older["cpu_busy_before"] = 0.05
+    assert speed_verdict_word(older["against_stock"]["predicted_speedup_ratio"], older) == "slower"

@@ -43,6 +43,13 @@ def test_two_point_sweep_gathered(tmp_path):
         if r["ratio_vs_stock"]:
             assert float(r["ratio_vs_stock_lo"]) <= float(r["ratio_vs_stock"]) <= float(r["ratio_vs_stock_hi"])
     assert sum(bool(r["ratio_vs_stock"]) for r in drafters) == 4  # distilled and undistilled, in both jobs
+    # a verdict only from quiet timing (pytest's other worker may well have disturbed it)
+    for r in drafters:
+        assert r["timing"] in ("quiet", "disturbed")
+        if r["ratio_vs_stock"]:
+            assert r["verdict_vs_stock"] == "not judged" if r["timing"] == "disturbed" else \
+                r["verdict_vs_stock"] in ("faster", "slower", "no difference shown")
+    assert "| ratio to stock | verdict | timing |" in text
     assert "## Every drafter, side by side within its job" in text
 
 

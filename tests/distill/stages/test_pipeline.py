@@ -133,11 +133,11 @@ def test_the_model_card_says_when_its_speedups_are_not_to_be_trusted():
               "measured_over_theoretical": 0.9, "baseline_drafter": {"acceptance_rate": 0.05, "mean_accepted_tokens": 1.1,
                                                                      "speedup": 6.7, "measured_over_theoretical": 22.8}}
     card = model_card(info, report)
-    assert "The machine was busy while measuring** (other processes used 46% of its CPUs)" in card
+    assert "**The timing was disturbed**: other processes used 46% of the CPUs when the timing started" in card
     assert "The undistilled drafter's speedup is 22.8x what the cost model predicts" in card
     assert "distilled drafter's speedup" not in card.replace("undistilled", "")  # 0.9: within reason
     calm = model_card(info, {**report, "cpu_busy_before": 0.01, "baseline_drafter": {}})
-    assert "busy" not in calm and "cost model predicts" not in calm
+    assert "disturbed" not in calm and "cost model predicts" not in calm
 
 
 def test_export_works_as_transformers_assistant_model(tiny_run):
