@@ -172,11 +172,12 @@ def _cost_ratio_estimates(per_round: dict[str, list[float]], drafters: dict[str,
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one cached 1-token forward of ``model`` reads: every parameter, buffer and packed weight
-    its modules hold (each tensor once: a tied head counts once), input embedding tables only by the one row a
-    token looks up. Batch-1 decoding on a CPU is bound by these reads, so their ratio between a drafter and its
+    its modules hold (each tensor once: a tied head counts once; an int8 layer's packed weight by its int8
+    elements), input embedding tables only by the one row a token looks up. Batch-1 decoding on a CPU is bound by these reads, so their ratio between a drafter and its
     target is a cost estimate from shapes alone (it leaves out per-layer overheads, which weigh most in small
     models)."""
     seen: set[int] = set()
+    alive: list[torch.Tensor] = []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     head = getattr(model, "get_output_embeddings", lambda: None)()
     head_weight = id(head.weight) if head is not None and getattr(head, "weight", None) is not None else None
@@ -184,10 +185,13 @@ def weight_bytes_per_token(model) -> int:
     for module in model.modules():
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False),
                    *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+        if callable(getattr(module, "weight", None)) and not isinstance(module.weight, torch.Tensor):
+            tensors.append(module.weight())  # a quantized layer's packed weight, unpacked: its int8 elements
         for tensor in tensors:
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
+            alive.append(tensor)  # an unpacked weight is a temporary: its id must not be reused by the next one
             size = tensor.numel() * tensor.element_size()
             if id(tensor) in embeddings and id(tensor) != head_weight and tensor.dim() == 2:
                 size = tensor.shape[1] * tensor.element_size()

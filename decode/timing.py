@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 NOISY_SPREAD = 0.15
 """Relative spread (interquartile range / median) of a cost's rounds above which they disagree more than
-an idle host's do (idle 2-core CPUs measured 0.01-0.08 for c)."""
+an idle host's do (the default pair on an idle 2-core AVX2 host: 0.06 for c and the target's forward, 0.08 for
+the verification cost at 4 tokens; docs/decoding.md)."""
 
 BUSY_SHARE = 0.25
 """Share of all CPUs other processes used during the timing above which the timing is called disturbed."""

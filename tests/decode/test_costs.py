@@ -110,3 +110,13 @@ def test_timing_statistics():
     with CpuWatch() as watch:
         sum(range(200_000))
     assert watch.others_share is None or 0.0 <= watch.others_share <= 1.0
+
+
+def test_an_int8_drafter_reads_its_int8_weights(drafter):
+    from decode.quantization import drafter_for_decoding
+
+    linear = sum(m.weight.numel() for m in drafter.modules() if isinstance(m, torch.nn.Linear))
+    int8 = drafter_for_decoding(copy.deepcopy(drafter), "int8-dynamic")
+    # every linear weight read at one byte an element (packed weights are unpacked one at a time: each counts)
+    assert weight_bytes_per_token(int8) >= linear
+    assert weight_bytes_per_token(int8) < weight_bytes_per_token(drafter)
