@@ -30,6 +30,7 @@ STAGES = ("generate", "distill", "evaluate", "export", "pipeline", "check", "gat
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
 ANSWER_SOURCES = ("target", "dataset")  # generate.answers: who writes the training answers
+GENERATE_ENGINES = ("auto", "hf", "vllm")  # generate.engine: what runs the target when it writes answers
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -140,11 +141,16 @@ class GenerateConfig:
         "help": "target: the target writes each training answer (generation); dataset: the target scores the answer "
                 "that comes with each prompt (ShareGPT's reply, a file's \"answer\" or closing assistant turn) in "
                 "one teacher-forced forward per batch, no generation; answers longer than max_new_tokens are cut there"})
+    engine: str = field(default="auto", metadata={
+        "help": "what runs the target when it writes answers: hf (transformers' generate, batches by length) | vllm "
+                "(continuous batching; pip install -e '.[vllm]') | auto (vllm where installed, on a CUDA GPU or for 128 "
+                "training prompts or more; else hf: on a CPU vLLM takes minutes to start)"})
     max_new_tokens: int = field(default=96, metadata={"help": "answer tokens per prompt, at most"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature of the answers; 0 = greedy"})
     top_p: float = field(default=1.0, metadata={
         "help": "nucleus sampling: only the most likely tokens up to this probability (1 = all)"})
-    batch_size: int = field(default=8, metadata={"help": "prompts answered together, at most"})
+    batch_size: int = field(default=8, metadata={
+        "help": "prompts answered together, at most (with engine=vllm: sequences decoded together)"})
     batch_tokens: int = field(default=6144, metadata={
         "help": "padded prompt tokens a batch holds at most (rows x longest prompt): prompts of a shard are batched "
                 "by length, and a long prompt gets a smaller batch instead of padding seven short ones"})
@@ -156,6 +162,7 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
         _check(self.answers in ANSWER_SOURCES, "generate.answers", f"must be one of {', '.join(ANSWER_SOURCES)}")
+        _check(self.engine in GENERATE_ENGINES, "generate.engine", f"must be one of {', '.join(GENERATE_ENGINES)}")
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         _check(self.temperature >= 0, "generate.temperature", "must be >= 0 (0 = greedy)")
         _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")

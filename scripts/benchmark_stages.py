@@ -113,6 +113,25 @@ def measure_generate(target, prompts: list[list[int]], eos: list[int], pad: int,
     return stage_figures(sum(map(len, prompts)) + new, new, seconds, bound)
 
 
+def measure_generate_vllm(path: Path, dtype: str, prompts: list[list[int]], eos: list[int], g: GenerateConfig,
+                          bound: float) -> dict:
+    """generate's rows for ``prompts`` from vLLM (``generate.engine=vllm``), every prompt in one call; its start
+    (load and compile) is reported as ``start_seconds``, outside the rate."""
+    from distill.data.vllm_answers import VllmAnswerer
+
+    engine, start_s = timed(lambda: VllmAnswerer(path, dtype=dtype, max_model_len=max(map(len, prompts)) + g.max_new_tokens,
+                                                 max_num_seqs=g.batch_size, store_top_k=g.store_top_k, seed=0))
+    try:
+        answers, seconds = timed(lambda: engine.answer(prompts, list(range(len(prompts))), eos_ids=eos,
+                                                       max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                                                       top_p=g.top_p))
+    finally:
+        engine.close()
+    new = sum(len(a["completion_ids"]) for a in answers)
+    return {**stage_figures(sum(map(len, prompts)) + new, new, seconds, bound), "engine": "vllm",
+            "start_seconds": round(start_s, 1)}
+
+
 def measure_score(target, prompts: list[list[int]], given: list[tuple[list[int], str]], g: GenerateConfig,
                   bound: float) -> tuple[dict, list[dict]]:
     """Scoring ``given`` answers (generate's batching over prompt + answer lengths): figures and the examples."""
@@ -171,6 +190,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed distill steps (after one untimed)")
     parser.add_argument("--bound-rows", type=int, default=2)
     parser.add_argument("--bound-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=GenerateConfig.batch_size,
+                        help="generate.batch_size for generate and score (with --engine vllm: sequences together)")
+    parser.add_argument("--batch-tokens", type=int, default=GenerateConfig.batch_tokens, help="generate.batch_tokens")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="generate's engine (vllm: pip install -e '.[vllm]'; its start is reported, not timed)")
     parser.add_argument("--packing", choices=("default", "packed", "padded"), default="default",
                         help="distill's micro-batches: as distill.packing's default, or forced")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
@@ -184,8 +208,8 @@ def main() -> None:
     result: dict = {"host": {"bf16_units": bf16_is_fast(), "target_dtype": dtype, "threads": torch.get_num_threads(),
                              "cpu": platform.processor() or platform.machine(), "cuda": torch.cuda.is_available()},
                     "settings": vars(args)}
-    g = GenerateConfig(max_new_tokens=args.max_new_tokens)
-    target, tokenizer, _ = load_model(args.target, dtype=dtype)
+    g = GenerateConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, batch_tokens=args.batch_tokens)
+    target, tokenizer, resolved = load_model(args.target, dtype=dtype)
     target = target.to(process_device())
     use_onednn_linear(target)  # as generate runs it
     eos = eos_token_ids(target, tokenizer)
@@ -193,12 +217,14 @@ def main() -> None:
     prompts, given = sharegpt_with_answers(tokenizer, eos, args.prompts, args.max_prompt_tokens, args.max_new_tokens)
     bound = forward_bound(target, args.bound_rows, args.bound_len)
     result["host"]["target_forward_tokens_per_s"] = round(bound, 2)
-    if "generate" in stages:
-        result["generate"] = measure_generate(target, prompts, eos, pad, g, bound)
     if "score" in stages:
         result["score"], examples = measure_score(target, prompts, given, g, bound)
+    if "generate" in stages and args.engine == "hf":
+        result["generate"] = measure_generate(target, prompts, eos, pad, g, bound)
     del target
     release_memory()
+    if "generate" in stages and args.engine == "vllm":
+        result["generate"] = measure_generate_vllm(resolved.path, dtype, prompts, eos, g, bound)
     if "distill" in stages:
         drafter = load_model(args.drafter, dtype="float32")[0].to(process_device())
         result["distill"] = measure_distill(drafter, examples, args)

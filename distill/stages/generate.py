@@ -39,9 +39,10 @@ from distill.config import Config
 from distill.data.generated import DATASET_DIR, EVAL_PROMPTS, select_prompts
 from distill.data.prompts import Prompt, encode_prompt
 from distill.data.scoring import encode_answer, require_answers, score_batch
+from distill.data.vllm_answers import VllmAnswerer, require_vllm, vllm_installed
 from distill.errors import ConfigError, OutOfMemoryError, PromptError, out_of_memory_bytes
 from distill.files import atomic_dir, exclusive, write_json_atomic, write_text_atomic
-from distill.hardware import process_device
+from distill.hardware import process_device, release_memory
 from distill.measure.simulation import answer_all, answers_file, answers_key, answers_target_key
 from distill.models.loading import eos_token_ids, load_model
 from distill.runs import StageRun
@@ -50,10 +51,12 @@ from distill.tracking import make_logger, run_name
 log = logging.getLogger(__name__)
 
 
-def _shard_key(fingerprint: str, cfg: Config) -> str:
-    """The settings every shard of a run shares: the target and the generation settings (not the prompts)."""
+def _shard_key(fingerprint: str, cfg: Config, engine: str = "hf") -> str:
+    """The settings every shard of a run shares: the target, the engine and the generation settings (not the
+    prompts)."""
     g = cfg.generate
     payload = json.dumps({**({"answers": g.answers} if g.answers != "target" else {}),
+                          **({"engine": engine} if engine != "hf" else {}),  # hf shards written before stay valid
                           "target": fingerprint, "dtype": cfg.target.dtype,
                           "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p,
                           "batch_size": g.batch_size, "batch_tokens": g.batch_tokens,
@@ -119,14 +122,15 @@ def answer_batch(model, input_ids: list[list[int]], *, pad_id: int, eos_ids: lis
     return results
 
 
-def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_root: Path, names: dict[int, str],
+def _answer_shards(engine, train: list[Prompt], encoded: list[list[int]], shard_root: Path, names: dict[int, str],
                    cfg: Config, *, pad_id: int, eos_ids: list[int], fingerprint: str,
                    given: list[tuple[list[int], str]] | None = None) -> tuple[int, int, float]:
     """Answer the training prompts shard by shard into ``shard_root`` (``names``: shard start -> folder name),
     skipping the shards already there; returns (answer tokens, prompt + answer tokens, seconds in the model) of
-    the shards this process wrote now. ``given``: the answers to score instead, per prompt
-    (:func:`distill.data.scoring.encode_answer`). Of N launched processes, process r answers shards r, r + N,
-    ...; all return once every shard is written.
+    the shards this process wrote now. ``engine``: the HF target, or a
+    :class:`distill.data.vllm_answers.VllmAnswerer` that takes several shards in one continuously batched call.
+    ``given``: the answers to score instead, per prompt (:func:`distill.data.scoring.encode_answer`). Of N
+    launched processes, process r answers shards r, r + N, ...; all return once every shard is written.
 
     Raises:
         OutOfMemoryError: a batch did not fit, naming the settings to lower.
@@ -146,38 +150,67 @@ def _answer_shards(model, train: list[Prompt], encoded: list[list[int]], shard_r
         if done and parallel.is_main():
             print(f"generate: resuming, {len(done)}/{len(starts)} shards already finished in {shard_root}")
 
-        new_tokens, all_tokens, gen_s = 0, 0, 0.0
         size = {s: min(g.shard_size, len(train) - s) for s in starts}
         what = "score" if given else "generate"
         bar = tqdm(total=sum(size[s] for s in mine), initial=sum(size[s] for s in mine if s in done), unit="prompt",
                    desc=what if processes == 1 else f"{what} (process {rank + 1} of {processes})")
-        for start in mine:
-            shard_dir = shard_root / names[start]
-            if shard_dir.is_dir():
-                continue
-            torch.manual_seed(cfg.data.seed * 1_000_003 + start)  # a resumed shard samples what it would have
-            members = range(start, min(start + g.shard_size, len(train)))
-            answered: dict[int, dict] = {}
-            lengths = [len(encoded[i]) + (len(given[i][0]) if given else 0) for i in members]
-            for batch in batches_by_length(lengths, g.batch_tokens, g.batch_size):
-                idx = [members[k] for k in batch]
-                t = time.perf_counter()
-                answered.update(zip(idx, _answer_or_explain(model, [encoded[i] for i in idx], idx, g, shard_root,
-                                                            pad_id=pad_id, eos_ids=eos_ids,
-                                                            given=[given[i] for i in idx] if given else None)))
-                gen_s += time.perf_counter() - t
-                new_tokens += sum(len(answered[i]["completion_ids"]) for i in idx)
-                all_tokens += sum(len(encoded[i]) + len(answered[i]["completion_ids"]) for i in idx)
-                bar.update(len(idx))
-                bar.set_postfix(tok_s=f"{all_tokens / max(gen_s, 1e-9):.1f}", answer_tok_s=f"{new_tokens / max(gen_s, 1e-9):.1f}")
-            rows = [{"prompt_id": train[i].id, "source": train[i].source, "category": train[i].category,
-                     "prompt_ids": encoded[i], **answered[i], "temperature": g.temperature, "top_p": g.top_p,
-                     "target_fingerprint": fingerprint} for i in members]  # in prompt order, whatever the batching
-            with atomic_dir(shard_dir) as tmp:
-                Dataset.from_list(rows).save_to_disk(str(tmp))
+        counts = [0, 0, 0.0]  # answer tokens, prompt + answer tokens, seconds in the model
+        todo = [s for s in mine if not (shard_root / names[s]).is_dir()]
+        # vLLM batches continuously: a call gets enough shards to keep twice generate.batch_size prompts queued
+        per_call = -(-2 * g.batch_size // g.shard_size) if isinstance(engine, VllmAnswerer) else 1
+        for first in range(0, len(todo), per_call):
+            group = todo[first:first + per_call]
+            members = [i for start in group for i in range(start, start + size[start])]
+            answered = _answer_members(engine, members, encoded, g, cfg.data.seed, shard_root, bar, counts,
+                                       pad_id=pad_id, eos_ids=eos_ids, given=given)
+            for start in group:
+                rows = [{"prompt_id": train[i].id, "source": train[i].source, "category": train[i].category,
+                         "prompt_ids": encoded[i], **answered[i], "temperature": g.temperature, "top_p": g.top_p,
+                         "target_fingerprint": fingerprint}
+                        for i in range(start, start + size[start])]  # in prompt order, whatever the batching
+                with atomic_dir(shard_root / names[start]) as tmp:
+                    Dataset.from_list(rows).save_to_disk(str(tmp))
         bar.close()
         parallel.barrier()  # every shard is on disk before the main process merges them (and lets the lock go)
-    return new_tokens, all_tokens, gen_s
+    return counts[0], counts[1], counts[2]
+
+
+def _answer_members(engine, members: list[int], encoded: list[list[int]], g, seed: int, shard_root: Path, bar,
+                    counts: list, *, pad_id: int, eos_ids: list[int],
+                    given: list[tuple[list[int], str]] | None) -> dict[int, dict]:
+    """The answers to the training prompts ``members`` (positions in ``encoded``), by prompt position: the HF
+    target in batches by length, reseeded at each shard's start (a resumed shard samples what it would have), or
+    vLLM in one call seeded per prompt. Updates ``bar`` and ``counts`` (answer tokens, all tokens, seconds)."""
+    answered: dict[int, dict] = {}
+
+    def done(idx: list[int], seconds: float) -> None:
+        counts[0] += sum(len(answered[i]["completion_ids"]) for i in idx)
+        counts[1] += sum(len(encoded[i]) + len(answered[i]["completion_ids"]) for i in idx)
+        counts[2] += seconds
+        bar.update(len(idx))
+        bar.set_postfix(tok_s=f"{counts[1] / max(counts[2], 1e-9):.1f}",
+                        answer_tok_s=f"{counts[0] / max(counts[2], 1e-9):.1f}")
+
+    if isinstance(engine, VllmAnswerer):
+        t = time.perf_counter()
+        answered.update(zip(members, engine.answer([encoded[i] for i in members],
+                                                   [seed * 1_000_003 + i for i in members], eos_ids=eos_ids,
+                                                   max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                                                   top_p=g.top_p)))
+        done(members, time.perf_counter() - t)
+        return answered
+    for start in sorted({m - m % g.shard_size for m in members}):
+        torch.manual_seed(seed * 1_000_003 + start)
+        shard = [m for m in members if start <= m < start + g.shard_size]
+        lengths = [len(encoded[i]) + (len(given[i][0]) if given else 0) for i in shard]
+        for batch in batches_by_length(lengths, g.batch_tokens, g.batch_size):
+            idx = [shard[k] for k in batch]
+            t = time.perf_counter()
+            answered.update(zip(idx, _answer_or_explain(engine, [encoded[i] for i in idx], idx, g, shard_root,
+                                                        pad_id=pad_id, eos_ids=eos_ids,
+                                                        given=[given[i] for i in idx] if given else None)))
+            done(idx, time.perf_counter() - t)
+    return answered
 
 
 def _answer_or_explain(model, prompts: list[list[int]], idx: list[int], g, shard_root: Path, *, pad_id: int,
@@ -231,6 +264,48 @@ def _answer_held_out(model, tokenizer, held_out: list[Prompt], cfg: Config, run_
     return time.perf_counter() - start, name
 
 
+#: training prompts from which ``generate.engine=auto`` starts vLLM on a CPU: its start (180-250 s on a 2-core
+#: host) pays back once the HF path would generate for about 6 minutes, some 40 ShareGPT prompts (vLLM ran 1.9x
+#: its rate there: docs/runs.md); twice that, for hosts where the two are closer
+VLLM_CPU_MIN_PROMPTS = 128
+
+
+def resolve_engine(cfg: Config, num_train: int) -> str:
+    """``generate.engine`` as it will run: ``auto`` is vLLM where it is installed, the target writes the answers,
+    one process runs, and a CUDA GPU is present or ``num_train`` reaches :data:`VLLM_CPU_MIN_PROMPTS`; otherwise
+    transformers' ``generate``.
+
+    Raises:
+        ConfigError: ``vllm`` asked where it is not installed, with ``generate.answers=dataset``, or under a
+            launcher of several processes.
+    """
+    g = cfg.generate
+    processes = parallel.rank_and_size()[1]
+    if g.engine == "auto":
+        worth = torch.cuda.is_available() or num_train >= VLLM_CPU_MIN_PROMPTS
+        return "vllm" if g.answers == "target" and processes == 1 and worth and vllm_installed() else "hf"
+    if g.engine == "vllm":
+        require_vllm()
+        if g.answers == "dataset":
+            raise ConfigError("generate.engine=vllm writes answers, and generate.answers=dataset scores the answers "
+                              "that exist (one HF forward per batch): use generate.engine=hf or auto")
+        if processes > 1:
+            raise ConfigError(f"generate.engine=vllm runs its own workers: launch one process, not {processes} "
+                              f"(torchrun / accelerate launch), or use generate.engine=hf")
+    return g.engine
+
+
+def _start_vllm(path: Path, dtype: str, encoded: list[list[int]], g, seed: int,
+                shard_dirs: list[Path]) -> VllmAnswerer | None:
+    """A vLLM engine sized to the prompts, or None when every shard is already written (a resumed run skips
+    the engine's start, which takes minutes on a CPU)."""
+    if all(d.is_dir() for d in shard_dirs):
+        return None
+    print(f"generate: starting vLLM on {path.name} ({dtype}; loading and compiling takes minutes on a CPU)")
+    return VllmAnswerer(path, dtype=dtype, max_model_len=max(map(len, encoded)) + g.max_new_tokens,
+                        max_num_seqs=g.batch_size, store_top_k=g.store_top_k, seed=seed)
+
+
 def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run stage 1 into ``run_dir``; returns ``run_dir``.
 
@@ -243,6 +318,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     scoring = cfg.generate.answers == "dataset"
     if scoring:
         require_answers(train)
+    engine_name = resolve_engine(cfg, len(train))  # a missing vLLM is refused before the model loads
     if too_long:
         print(f"generate: passed over {len(too_long)} prompt(s) longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens} tokens (e.g. {', '.join(too_long[:3])})")
@@ -278,13 +354,29 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                                                           + "\n" for p in held_out))
 
     g = cfg.generate
-    key = _shard_key(resolved.fingerprint, cfg)
+    key = _shard_key(resolved.fingerprint, cfg, engine_name)
     shard_root = Path(cfg.outputs) / ".shards" / f"generate-{key}"
     starts = list(range(0, len(train), g.shard_size))
     names = {s: _shard_name(s, train[s:s + g.shard_size], scoring) for s in starts}
     given = [encode_answer(tokenizer, p, eos_ids, g.max_new_tokens) for p in train] if scoring else None
-    new_tokens, all_tokens, gen_s = _answer_shards(model, train, encoded, shard_root, names, cfg, pad_id=pad_id,
-                                                   eos_ids=eos_ids, fingerprint=resolved.fingerprint, given=given)
+    answers_s = answers = None
+    if engine_name == "vllm":
+        # the HF target answers the held-out prompts first (evaluate decodes them with draftsmith's decoder) and
+        # then makes room: vLLM takes most of a GPU's memory for its KV cache
+        answers_s, answers = _answer_held_out(model, tokenizer, held_out, cfg, run_dir, pad_id=pad_id,
+                                              eos_ids=eos_ids, fingerprint=resolved.fingerprint)
+        dtype = str(model.dtype).removeprefix("torch.")
+        model = None
+        release_memory()
+        engine = _start_vllm(resolved.path, dtype, encoded, g, cfg.data.seed, [shard_root / n for n in names.values()])
+    else:
+        engine = model
+    try:
+        new_tokens, all_tokens, gen_s = _answer_shards(engine, train, encoded, shard_root, names, cfg, pad_id=pad_id,
+                                                       eos_ids=eos_ids, fingerprint=resolved.fingerprint, given=given)
+    finally:
+        if isinstance(engine, VllmAnswerer):
+            engine.close()
     if main:
         dataset = concatenate_datasets([load_from_disk(str(shard_root / names[s])) for s in starts])
         final = run_dir / DATASET_DIR
@@ -292,8 +384,9 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             shutil.rmtree(final)
         with atomic_dir(final) as tmp:
             dataset.save_to_disk(str(tmp))
-    answers_s, answers = _answer_held_out(model, tokenizer, held_out, cfg, run_dir, pad_id=pad_id, eos_ids=eos_ids,
-                                          fingerprint=resolved.fingerprint)
+    if model is not None:
+        answers_s, answers = _answer_held_out(model, tokenizer, held_out, cfg, run_dir, pad_id=pad_id,
+                                              eos_ids=eos_ids, fingerprint=resolved.fingerprint)
     if not main:
         return run_dir
     lengths = dataset["completion_ids"]
@@ -310,7 +403,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         logger.finish()
     return run.complete(
         artifacts=(DATASET_DIR, EVAL_PROMPTS, *([answers] if answers else [])),
-        held_out_answers={"file": answers, "seconds": round(answers_s, 2)} if answers else None,
+        held_out_answers={"file": answers, "seconds": round(answers_s or 0.0, 2)} if answers else None,
         target={"name": cfg.target.name, "fingerprint": resolved.fingerprint, "source": resolved.source,
                 "dtype": cfg.target.dtype},
         num_train_prompts=len(train), num_eval_prompts=len(held_out), shard_cache=str(shard_root),
@@ -324,6 +417,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         prompts_over_max_tokens=len(too_long),
         model_load_s=round(load_s, 2),
         processes=parallel.rank_and_size()[1],
+        engine=engine_name,  # what wrote the training answers: hf (transformers' generate) or vllm
         generation_tokens_per_s=round(new_tokens / gen_s, 2) if gen_s else None,  # the main process's shards
         processed_tokens_per_s=round(all_tokens / gen_s, 2) if gen_s else None,  # prompt + answer tokens
     )
