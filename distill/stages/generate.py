@@ -306,6 +306,38 @@ def _start_vllm(path: Path, dtype: str, encoded: list[list[int]], g, seed: int,
                         max_num_seqs=g.batch_size, store_top_k=g.store_top_k, seed=seed)
 
 
+def _check_context(model, tokenizer, train: list[Prompt], encoded: list[list[int]], held_out: list[Prompt],
+                   cfg: Config) -> None:
+    """Refuse prompts that do not fit the target's context with the tokens to generate (the held-out ones with
+    ``decode.max_new_tokens``: evaluate decodes them later).
+
+    Raises:
+        PromptError: naming the first five and what to lower.
+    """
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if not context:
+        return
+    too_long = [(p.id, len(ids)) for p, ids in zip(train, encoded) if len(ids) + cfg.generate.max_new_tokens > context]
+    too_long += [(p.id, n) for p in held_out
+                 if (n := len(encode_prompt(tokenizer, p))) + cfg.decode.max_new_tokens > context]
+    if too_long:
+        shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
+        raise PromptError(f"{len(too_long)} prompt(s) do not fit the target's context of {context} tokens with "
+                          f"the tokens to generate: {shown}; shorten or drop them, or lower "
+                          f"generate.max_new_tokens / decode.max_new_tokens")
+
+
+def _merge_shards(shards: list[Path], final: Path) -> Dataset:
+    """The shards, in order, as one dataset written atomically to ``final`` (replacing one an earlier attempt in
+    the same run folder left)."""
+    dataset = concatenate_datasets([load_from_disk(str(shard)) for shard in shards])
+    if final.exists():
+        shutil.rmtree(final)
+    with atomic_dir(final) as tmp:
+        dataset.save_to_disk(str(tmp))
+    return dataset
+
+
 def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run stage 1 into ``run_dir``; returns ``run_dir``.
 
@@ -336,17 +368,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         raise ConfigError(f"generate.store_top_k={cfg.generate.store_top_k} is more than the target's {vocab} "
                           f"tokens: use at most {vocab} (20 is plenty)")
     encoded = [encode_prompt(tokenizer, p) for p in train]
-    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if context:
-        # checked for the held-out prompts too: evaluate decodes them later with decode.max_new_tokens
-        too_long = [(p.id, len(ids)) for p, ids in zip(train, encoded) if len(ids) + cfg.generate.max_new_tokens > context]
-        too_long += [(p.id, n) for p in held_out
-                     if (n := len(encode_prompt(tokenizer, p))) + cfg.decode.max_new_tokens > context]
-        if too_long:
-            shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
-            raise PromptError(f"{len(too_long)} prompt(s) do not fit the target's context of {context} tokens with "
-                              f"the tokens to generate: {shown}; shorten or drop them, or lower "
-                              f"generate.max_new_tokens / decode.max_new_tokens")
+    _check_context(model, tokenizer, train, encoded, held_out, cfg)
 
     if main:
         # held-out prompts never need their answers (the target answers them for evaluate)
@@ -378,12 +400,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         if isinstance(engine, VllmAnswerer):
             engine.close()
     if main:
-        dataset = concatenate_datasets([load_from_disk(str(shard_root / names[s])) for s in starts])
-        final = run_dir / DATASET_DIR
-        if final.exists():  # left by an earlier attempt in this same folder
-            shutil.rmtree(final)
-        with atomic_dir(final) as tmp:
-            dataset.save_to_disk(str(tmp))
+        dataset = _merge_shards([shard_root / names[s] for s in starts], run_dir / DATASET_DIR)
     if model is not None:
         answers_s, answers = _answer_held_out(model, tokenizer, held_out, cfg, run_dir, pad_id=pad_id,
                                               eos_ids=eos_ids, fingerprint=resolved.fingerprint)
