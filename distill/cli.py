@@ -15,7 +15,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -216,9 +216,19 @@ def _refuse_in_parallel(stage: str, flags: list[str]) -> None:
     elif used := [f for f in flags if f.split("=", 1)[0] in _NOT_IN_PARALLEL]:
         why = f"{' '.join(used)} does not run one {stage} job: use it without torchrun / accelerate launch"
     if why:
-        if parallel.launcher_rank() == 0:  # once, not N times
-            print(f"draftsmith {stage}: error: WORLD_SIZE={parallel.world_size()}: {why}", file=sys.stderr)
-        sys.exit(2)
+        _refuse_from_process_0(f"draftsmith {stage}: error: WORLD_SIZE={parallel.world_size()}: {why}")
+
+
+def _refuse_from_process_0(line: str) -> NoReturn:
+    """Leave all N launched processes before the stage starts, the reason printed once, by process 0 (rc 2).
+
+    The others leave quietly with 0: a launcher stops the whole group at its first failed process, which could
+    kill process 0 before it prints the reason; process 0's exit code is the group's result.
+    """
+    if parallel.launcher_rank() != 0:
+        sys.exit(0)
+    print(line, file=sys.stderr)
+    sys.exit(2)
 
 
 _AFTER_STOP = {  # what a stopped stage kept, and what running it again does
@@ -324,9 +334,7 @@ def _main(argv: list[str] | None) -> None:
         try:
             state = parallel.start()
         except DraftsmithError as err:
-            if parallel.launcher_rank() == 0:
-                print(f"draftsmith {stage}: error: {err}", file=sys.stderr)
-            sys.exit(2)
+            _refuse_from_process_0(f"draftsmith {stage}: error: {err}")
     # Hydra's parser wants flags before the overrides; users put them anywhere.
     # (--hydra-help composes Hydra's own config, which has no `stage`)
     stage_override = [] if "--hydra-help" in flags else [f"stage={stage}"]
