@@ -29,7 +29,8 @@ CONF_DIR = _ROOT_CONF if _ROOT_CONF.is_dir() else Path(__file__).resolve().paren
 STAGES = ("generate", "distill", "evaluate", "export", "pipeline", "check", "gather")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
-ANSWER_SOURCES = ("target", "dataset")  # generate.answers: who writes the training answers
+ANSWER_SOURCES = ("auto", "target", "dataset")  # generate.answers: who writes the training answers
+PROMPT_SOURCES = ("humaneval", "mtbench", "sharegpt", "file")  # a Prompt's source (data.train_sources)
 GENERATE_ENGINES = ("auto", "hf", "vllm")  # generate.engine: what runs the target when it writes answers
 
 
@@ -116,6 +117,14 @@ class DataConfig:
         "help": "prompts longer than this many tokens (chat template included) are passed over; null = no limit. A "
                 "long prompt pads its whole generate batch to its length (a 4,119-token ShareGPT prompt stalled a "
                 "batch of 8 for minutes)"})
+    train_sources: Optional[list[str]] = field(default=None, metadata={
+        "help": "draw the training prompts only from these sources (humaneval, mtbench, sharegpt, file), e.g. "
+                "[sharegpt] for the prompts that come with an answer to score; the held-out prompts still come "
+                "from every source; null = every source"})
+    max_train_prompt_tokens: Optional[int] = field(default=None, metadata={
+        "help": "training prompts longer than this many tokens are passed over (held-out ones keep "
+                "data.max_prompt_tokens): a long prompt costs the target a forward over every token for few "
+                "answer tokens, and distill.max_seq_len cuts it anyway; null = data.max_prompt_tokens alone"})
     mixed_sharegpt: int = field(default=1000, metadata={
         "help": "with source=mixed: how many ShareGPT first turns join HumanEval's 164 and MT-Bench's 80 (the first "
                 "of the file); raise it for a larger prompt set (the held-out split is drawn from all of them, so it changes "
@@ -126,6 +135,12 @@ class DataConfig:
         _check(self.on_bad_line in ("error", "skip"), "data.on_bad_line", "must be error or skip")
         _check(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "data.max_prompt_tokens",
                f"must be >= 1 (e.g. 512), or null for no limit; got {self.max_prompt_tokens}")
+        _check(self.max_train_prompt_tokens is None or self.max_train_prompt_tokens >= 1,
+               "data.max_train_prompt_tokens", f"must be >= 1 (e.g. 256), or null; got {self.max_train_prompt_tokens}")
+        _check(self.train_sources is None or (len(self.train_sources) > 0
+                                              and all(t in PROMPT_SOURCES for t in self.train_sources)),
+               "data.train_sources", f"must be null or a non-empty list of {', '.join(PROMPT_SOURCES)}; got "
+                                     f"{self.train_sources}")
         sources = ("humaneval", "mtbench", "sharegpt", "mixed", "file")
         _check(self.source in sources, "data.source", f"must be one of {sources}, got {self.source!r}")
         _check(self.source != "file" or bool(self.path), "data.path", "set data.path=<file> with data=file")
@@ -137,10 +152,12 @@ class GenerateConfig:
 
     num_prompts: int = field(default=32, metadata={
         "help": "training prompts answered (the target also answers the evaluate.num_prompts held-out ones)"})
-    answers: str = field(default="target", metadata={
+    answers: str = field(default="auto", metadata={
         "help": "target: the target writes each training answer (generation); dataset: the target scores the answer "
                 "that comes with each prompt (ShareGPT's reply, a file's \"answer\" or closing assistant turn) in "
-                "one teacher-forced forward per batch, no generation; answers longer than max_new_tokens are cut there"})
+                "one teacher-forced forward per batch, no generation; answers longer than max_new_tokens are cut "
+                "there; auto: dataset when every training prompt comes with an answer, else target (the run says "
+                "which, and its manifest records it)"})
     engine: str = field(default="auto", metadata={
         "help": "what runs the target when it writes answers: hf (transformers' generate, batches by length) | vllm "
                 "(continuous batching; installed as docs/runs.md says) | auto (vllm where installed, on a CUDA GPU or for 128 "

@@ -234,8 +234,9 @@ def refuse_bad_sweep_values(stage: str, flags: list[str], overrides: list[str], 
 
 def _check_prompt_counts(stage: str, config, prompt_sets: dict[tuple, list]) -> None:
     """For a job that answers prompts (generate, or a pipeline not given a generate or distill run): the
-    training and held-out counts fit the prompt set, as the job's own split would find (without
-    ``data.max_prompt_tokens``, which needs the tokenizer; ``data=sharegpt``'s ~90,000 prompts are not read).
+    training and held-out counts fit the prompt set, as the job's own split would find (with
+    ``data.train_sources``, without ``data.max_prompt_tokens`` and ``data.max_train_prompt_tokens``, which need
+    the tokenizer; ``data=sharegpt``'s ~90,000 prompts are not read).
 
     Raises:
         ConfigError: more prompts asked for than the set holds (the split's own message).
@@ -251,8 +252,10 @@ def _check_prompt_counts(stage: str, config, prompt_sets: dict[tuple, list]) -> 
     if key not in prompt_sets:
         prompt_sets[key] = load_prompts(data.source, data.path, on_bad_line=data.on_bad_line, skipped=[],
                                         sharegpt_turns=data.mixed_sharegpt)
+    sources = set(data.train_sources) if data.train_sources is not None else None
     split_prompts(prompt_sets[key], num_train=config.generate.num_prompts, num_eval=config.evaluate.num_prompts,
-                  seed=data.seed)
+                  seed=data.seed, train_keep=(lambda p: p.source in sources) if sources is not None else None,
+                  train_limits=f"data.train_sources={data.train_sources}")
 
 
 # What a pipeline given a finished run (inputs.<stage>) no longer does: settings of these groups would not apply.

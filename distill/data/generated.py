@@ -48,8 +48,32 @@ def select_prompts(cfg: Config, skipped: list[str] | None = None,
             too_long.append(prompt.id)
         return False
 
+    train_keep, train_limits = training_filter(cfg)
     return split_prompts(prompts, num_train=cfg.generate.num_prompts, num_eval=cfg.evaluate.num_prompts,
-                         seed=cfg.data.seed, keep=keep if limit else None)
+                         seed=cfg.data.seed, keep=keep if limit else None, train_keep=train_keep,
+                         train_limits=train_limits)
+
+
+def training_filter(cfg: Config) -> tuple[Callable[[Prompt], bool] | None, str]:
+    """``data.train_sources`` and ``data.max_train_prompt_tokens`` as one test on a training prompt, with the
+    settings it stands for (for messages); ``(None, "")`` when neither is set. Loads the target's tokenizer
+    only for the length limit."""
+    sources, limit = cfg.data.train_sources, cfg.data.max_train_prompt_tokens
+    tests: list[Callable[[Prompt], bool]] = []
+    named = []
+    if sources is not None:
+        allowed = set(sources)
+        tests.append(lambda prompt: prompt.source in allowed)
+        named.append(f"data.train_sources={list(sources)}")
+    if limit is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)
+        tests.append(lambda prompt: len(encode_prompt(tokenizer, prompt)) <= limit)
+        named.append(f"data.max_train_prompt_tokens={limit}")
+    if not tests:
+        return None, ""
+    return (lambda prompt: all(test(prompt) for test in tests)), " and ".join(named)
 
 
 def prompt_length_limit(cfg: Config) -> Callable[[Prompt], bool] | None:

@@ -353,7 +353,9 @@ def _prompt_from_record(record, path: Path, number: int) -> Prompt:
 
 def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: int,
                   seed: int, keep: Callable[[Prompt], bool] | None = None,
-                  counts: str = "generate.num_prompts, evaluate.num_prompts") -> tuple[list[Prompt], list[Prompt]]:
+                  counts: str = "generate.num_prompts, evaluate.num_prompts",
+                  train_keep: Callable[[Prompt], bool] | None = None,
+                  train_limits: str = "") -> tuple[list[Prompt], list[Prompt]]:
     """Deterministic, disjoint train/eval split.
 
     Prompts are ordered by sha256(seed, id), so the order does not depend on
@@ -364,8 +366,9 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
     (:func:`_proportional`), hence growing ``num_train`` never changes the eval set and keeps the
     training prompts of the smaller count. ``keep`` (e.g. a length limit) is
     asked only about prompts reached in that order, so a large source is not
-    scanned whole; prompts it refuses are passed over. ``counts`` names the
-    config keys that set the counts, for the error message.
+    scanned whole; prompts it refuses are passed over. ``train_keep`` is asked too about training prompts only
+    (a training source or length limit), so the held-out set does not depend on it; ``train_limits`` names
+    the settings behind it. ``counts`` names the config keys that set the counts, for the error message.
 
     Raises:
         ConfigError: negative counts, or more prompts requested than available (and kept).
@@ -414,8 +417,14 @@ def split_prompts(prompts: Sequence[Prompt], num_train: int | None, num_eval: in
                 else:
                     eval_set.append(taken)
     eval_ids = {p.id for p in eval_set}
-    rest = (p for p in _proportional([p for p in ordered if p.id not in eval_ids]) if kept(p))
+    rest = (p for p in _proportional([p for p in ordered if p.id not in eval_ids])
+            if kept(p) and (train_keep is None or train_keep(p)))
     train_set = list(rest) if num_train is None else list(itertools.islice(rest, num_train))
+    if len(eval_set) == num_eval and train_keep is not None and num_train is not None and len(train_set) < num_train:
+        raise ConfigError(
+            f"Asked for {num_train} training prompts but only {len(train_set)} of the prompts left after the "
+            f"{num_eval} held-out ones pass {train_limits or 'the training filter'}: lower generate.num_prompts, "
+            f"widen those settings, or use a larger prompt set (data.mixed_sharegpt=N with data=mixed)")
     if len(eval_set) < num_eval or (num_train is not None and len(train_set) < num_train):
         refused = sum(not v for v in verdicts.values())
         raise ConfigError(

@@ -1,8 +1,9 @@
 """Stage 1: the target answers the training prompts (synthetic distillation data), or scores answers that exist.
 
-``generate.answers=target`` (the default) has the target write every answer; ``generate.answers=dataset`` has it
+``generate.answers=target`` has the target write every answer; ``generate.answers=dataset`` has it
 score the answer each prompt comes with (:mod:`distill.data.scoring`): one teacher-forced forward per batch
-instead of one forward per answer token, and the same rows.
+instead of one forward per answer token, and the same rows; ``auto`` (the default) scores where every training
+prompt comes with an answer.
 
 Prompts are answered in batches and written in shards of ``generate.shard_size``
 prompts, each shard atomically. Shards live in a cache folder keyed by the
@@ -25,7 +26,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -270,6 +271,29 @@ def _answer_held_out(model, tokenizer, held_out: list[Prompt], cfg: Config, run_
 VLLM_CPU_MIN_PROMPTS = 128
 
 
+def resolve_answers(cfg: Config, train: list[Prompt]) -> str:
+    """``generate.answers`` as it will run: ``auto`` is ``dataset`` when every training prompt comes with an
+    answer to score, else ``target``; said on the console when it was ``auto``.
+
+    Raises:
+        PromptError: ``dataset`` asked for prompts of which some carry no answer (before any model loads).
+    """
+    asked = cfg.generate.answers
+    if asked == "dataset":
+        require_answers(train)
+    if asked != "auto":
+        return asked
+    with_answer = sum(bool(p.answer) for p in train)
+    answers = "dataset" if train and with_answer == len(train) else "target"
+    if parallel.is_main():
+        print("generate: generate.answers=auto: " + (
+            f"the target scores the answers the {len(train)} training prompts come with "
+            f"(generate.answers=target has it write its own)" if answers == "dataset" else
+            f"the target writes the training answers ({with_answer} of the {len(train)} training prompts come "
+            f"with one; generate.answers=dataset scores only prompts that all do, e.g. data.train_sources=[sharegpt])"))
+    return answers
+
+
 def resolve_engine(cfg: Config, num_train: int) -> str:
     """``generate.engine`` as it will run: ``auto`` is vLLM where it is installed, the target writes the answers,
     one process runs, and a CUDA GPU is present or ``num_train`` reaches :data:`VLLM_CPU_MIN_PROMPTS`; otherwise
@@ -347,9 +371,8 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     skipped: list[str] = []
     too_long: list[str] = []
     train, held_out = select_prompts(cfg, skipped, too_long)  # prompt errors surface before the slow model load
+    cfg = replace(cfg, generate=replace(cfg.generate, answers=resolve_answers(cfg, train)))
     scoring = cfg.generate.answers == "dataset"
-    if scoring:
-        require_answers(train)
     engine_name = resolve_engine(cfg, len(train))  # a missing vLLM is refused before the model loads
     if too_long:
         print(f"generate: passed over {len(too_long)} prompt(s) longer than data.max_prompt_tokens="
