@@ -197,6 +197,14 @@ def top_k_log_probs(
     Raises:
         ValueError: mismatched shapes, an id outside the student's vocabulary, temperature <= 0.
     """
+    _check_top_k(student_logits, top_k_ids, top_k_logprobs, temperature)
+    student_top, student_rest = _student_top_and_rest(student_logits, top_k_ids.long(), temperature)
+    return _coarsened(student_top, student_rest, top_k_logprobs, drop_impossible)
+
+
+def _check_top_k(student_logits: torch.Tensor, top_k_ids: torch.Tensor, top_k_logprobs: torch.Tensor,
+                 temperature: float) -> None:
+    """Raises ValueError for :func:`top_k_log_probs`' bad arguments."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if top_k_ids.shape != top_k_logprobs.shape or top_k_ids.shape[:-1] != student_logits.shape[:-1]:
@@ -205,11 +213,27 @@ def top_k_log_probs(
     if top_k_ids.numel() and int(top_k_ids.max()) >= student_logits.shape[-1]:
         raise ValueError(f"stored token id {int(top_k_ids.max())} is outside the drafter's vocabulary of "
                          f"{student_logits.shape[-1]}")
-    ids = top_k_ids.long()
-    full = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    student_top = full.gather(-1, ids)
-    # the drafter's rest mass, summed directly over the other tokens (exact, no 1 - sum cancellation)
-    student_rest = torch.logsumexp(full.scatter(-1, ids, float("-inf")), dim=-1, keepdim=True)
+
+
+def _student_top_and_rest(student_logits: torch.Tensor, ids: torch.Tensor,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's log-probabilities of the stored ids ``(..., k)`` and of the rest ``(..., 1)``, float32, in
+    one pass over the vocabulary: the rest's log-sum-exp is taken directly over the other tokens (exact, no
+    ``1 - sum`` cancellation) and the normaliser from it and the k ids' (``log Z = logaddexp(rest, top)``), so
+    no ``(..., vocab)`` log-softmax is formed (with a 152k vocabulary those passes were most of a step)."""
+    logits = student_logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    top = logits.gather(-1, ids)
+    rest = torch.logsumexp(logits.scatter(-1, ids, float("-inf")), dim=-1, keepdim=True)
+    # ids the drafter cannot produce are -inf; clamped, a row of only those stays finite (no NaN gradient)
+    log_z = torch.logaddexp(rest, torch.logsumexp(top.clamp(min=-1e30), dim=-1, keepdim=True))
+    return top - log_z, rest - log_z
+
+
+def _coarsened(student_top: torch.Tensor, student_rest: torch.Tensor, top_k_logprobs: torch.Tensor,
+               drop_impossible: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_k_log_probs`' ``k + 1`` buckets from the drafter's side and the stored target's."""
     target_top = top_k_logprobs.float()
     target_rest = torch.log((1.0 - target_top.exp().sum(-1, keepdim=True)).clamp(min=1e-7))
     # k covers the whole vocabulary: nothing is left over on either side
@@ -256,7 +280,9 @@ def top_k_distillation_loss(
         probability, see :func:`top_k_log_probs`); acceptance carries no gradient.
     """
     _check_args(kind, jsd_beta, temperature)
-    student_logp, target_logp = top_k_log_probs(student_logits, top_k_ids, top_k_logprobs, temperature=temperature)
+    _check_top_k(student_logits, top_k_ids, top_k_logprobs, temperature)
+    student_top, student_rest = _student_top_and_rest(student_logits, top_k_ids.long(), temperature)
+    student_logp, target_logp = _coarsened(student_top, student_rest, top_k_logprobs, drop_impossible=True)
     if kind == "ce":
         full = F.log_softmax(student_logits.float() / temperature, dim=-1)
         loss = _cross_entropy(full, labels)
@@ -265,10 +291,10 @@ def top_k_distillation_loss(
     else:
         loss = divergence_from_log_probs(student_logp, target_logp, kind=kind, jsd_beta=jsd_beta)
     with torch.no_grad():
-        if bool(torch.isneginf(student_logits.gather(-1, top_k_ids.long())).any()):  # reduced vocabulary:
+        if bool(torch.isneginf(student_top).any()):  # reduced vocabulary:
             # acceptance against the unrestricted target (its mass outside the set is never accepted)
-            student_logp, target_logp = top_k_log_probs(student_logits.detach(), top_k_ids, top_k_logprobs,
-                                                        temperature=temperature, drop_impossible=False)
+            student_logp, target_logp = _coarsened(student_top.detach(), student_rest.detach(), top_k_logprobs,
+                                                   drop_impossible=False)
         tvd = divergence_from_log_probs(student_logp.detach(), target_logp, kind="tvd")
     return loss, (1.0 - tvd).clamp(0.0, 1.0)
 

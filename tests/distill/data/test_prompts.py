@@ -340,3 +340,57 @@ def test_a_prompt_file_that_is_a_named_pipe_says_what_it_is(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(PromptError, match=r"prompts\.txt is a named pipe \(FIFO\), not a regular file; .*data\.path"):
         load_prompts("file", str(fifo))
+
+
+def _two_sources(answered: str = "b") -> list[Prompt]:
+    return [Prompt(id=f"{s}/{i}", source=s, category=s, messages=[{"role": "user", "content": f"{s}{i}"}],
+                   answer=f"reply {i}" if s == answered else None)
+            for s, n in (("a", 30), ("b", 40)) for i in range(n)]
+
+
+def test_a_training_filter_leaves_the_held_out_set_alone():
+    prompts = _two_sources()
+    _, held_out = split_prompts(prompts, num_train=10, num_eval=6, seed=0)
+    train, filtered_held_out = split_prompts(prompts, num_train=10, num_eval=6, seed=0,
+                                             train_keep=lambda p: p.source == "b")
+    assert filtered_held_out == held_out and sorted({p.source for p in held_out}) == ["a", "b"]
+    assert len(train) == 10 and {p.source for p in train} == {"b"}
+    assert not {p.id for p in train} & {p.id for p in held_out}
+    # the prefix property holds under the filter too: more training prompts keep the first ones
+    assert split_prompts(prompts, num_train=20, num_eval=6, seed=0, train_keep=lambda p: p.source == "b")[0][:10] == train
+
+
+def test_too_few_prompts_through_the_training_filter_name_its_settings():
+    with pytest.raises(ConfigError, match=r"only 37 of the prompts left .* pass data.train_sources=\['b'\]"):
+        split_prompts(_two_sources(), num_train=38, num_eval=6, seed=0, train_keep=lambda p: p.source == "b",
+                      train_limits="data.train_sources=['b']")
+
+
+def test_train_sources_are_checked_at_start():
+    from distill.config import DataConfig
+    with pytest.raises(ConfigError, match="data.train_sources"):
+        DataConfig(train_sources=["shargpt"])
+    with pytest.raises(ConfigError, match="data.train_sources"):
+        DataConfig(train_sources=[])
+    with pytest.raises(ConfigError, match="data.max_train_prompt_tokens"):
+        DataConfig(max_train_prompt_tokens=0)
+    assert DataConfig(train_sources=["sharegpt", "file"]).train_sources == ["sharegpt", "file"]
+
+
+@pytest.mark.real
+def test_the_default_trains_on_sharegpt_and_holds_out_every_source():
+    """data=mixed's defaults: training prompts from ShareGPT alone, each under the training length limit and with
+    an answer; the held-out set is the stratified one that no training filter changes."""
+    from distill.data.generated import select_prompts
+    from distill.models.loading import resolve_model
+    from tests.distill.test_config import _compose
+    from transformers import AutoTokenizer
+    cfg = _compose("target=qwen2.5-coder-0.5b")  # the 0.5B shares the 1.5B's tokenizer (and is in the tests' install)
+    assert (cfg.data.train_sources, cfg.data.max_train_prompt_tokens) == (["sharegpt"], 256)
+    train, held_out = select_prompts(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.target.name).path)
+    assert len(train) == cfg.generate.num_prompts and {p.source for p in train} == {"sharegpt"}
+    assert all(p.answer for p in train) and max(len(encode_prompt(tokenizer, p)) for p in train) <= 256
+    assert Counter(p.source for p in held_out) == Counter(humaneval=22, mtbench=21, sharegpt=21)
+    unfiltered = _compose("target=qwen2.5-coder-0.5b", "data.train_sources=null", "data.max_train_prompt_tokens=null")
+    assert select_prompts(unfiltered)[1] == held_out

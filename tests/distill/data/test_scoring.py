@@ -153,3 +153,25 @@ def test_benchmark_stages_prints_each_stage_beside_its_bound(tmp_path):
         assert figures["ratio"] == pytest.approx(figures["tokens_per_s"] / figures["bound_tokens_per_s"], rel=1e-2)
         assert 0 < figures["answer_tokens_per_s"] < figures["tokens_per_s"]
     assert result["host"]["target_forward_tokens_per_s"] > 0 and result["distill"]["packing"] is True
+
+
+def test_answers_auto_scores_only_where_every_training_prompt_comes_with_an_answer(capsys):
+    from dataclasses import replace
+
+    from distill.config import Config
+    from distill.stages.generate import resolve_answers
+    answered = [Prompt(f"sharegpt/{i}", "sharegpt", "chat", [{"role": "user", "content": f"q{i}"}], answer="a")
+                for i in range(3)]
+    bare = Prompt("humaneval/1", "humaneval", "code", [{"role": "user", "content": "x"}])
+    cfg = Config()
+    assert cfg.generate.answers == "auto"
+    assert resolve_answers(cfg, answered) == "dataset"
+    assert "scores the answers the 3 training prompts come with" in capsys.readouterr().out
+    assert resolve_answers(cfg, [*answered, bare]) == "target"
+    assert "3 of the 4 training prompts come with one" in capsys.readouterr().out
+    assert resolve_answers(cfg, []) == "target"
+    capsys.readouterr()
+    asked = lambda answers: replace(cfg, generate=replace(cfg.generate, answers=answers))  # noqa: E731
+    assert resolve_answers(asked("target"), answered) == "target" and not capsys.readouterr().out
+    with pytest.raises(PromptError, match="1 of 4 training prompts carry no answer"):
+        resolve_answers(asked("dataset"), [*answered, bare])

@@ -215,3 +215,35 @@ def test_zero_probability_tokens(mask):
         assert torch.isfinite(loss) and torch.isfinite(grad).all(), (kind, beta)
     # KL(q || p) is infinite when the drafter puts mass where the target has none
     assert distillation_loss(student, target, mask, kind="rkl") == float("inf")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("reduced", [False, True])
+def test_top_k_buckets_in_one_pass_equal_the_log_softmax_ones_with_their_gradients(temperature, reduced):
+    """The drafter's k + 1 buckets, formed without a (N, vocab) log-softmax, equal the textbook formula (log-softmax,
+    then the rest's log-sum-exp over the other tokens), values and gradients, with and without -inf columns."""
+    from distill.training.losses import top_k_log_probs
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    if reduced:
+        logits[:, 30:] = float("-inf")  # a reduced head: tokens 30.. cannot be drafted
+    ids = torch.stack([torch.randperm(50, generator=gen)[:5] for _ in range(6)])
+    ids[0] = torch.arange(30, 35) if reduced else ids[0]  # a row whose stored tokens are all impossible
+    target = torch.log_softmax(torch.randn(6, 50, generator=gen), -1).gather(-1, ids)
+
+    def reference(x):
+        full = F.log_softmax(x / temperature, dim=-1)
+        return full.gather(-1, ids), torch.logsumexp(full.scatter(-1, ids, float("-inf")), dim=-1, keepdim=True)
+
+    fast_in, slow_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    fast = top_k_log_probs(fast_in, ids, target, temperature=temperature, drop_impossible=False)[0]
+    top, rest = reference(slow_in)
+    slow = torch.cat([top, rest], -1)
+    finite = torch.isfinite(slow)
+    assert torch.equal(finite, torch.isfinite(fast))
+    torch.testing.assert_close(fast[finite], slow[finite], rtol=0, atol=1e-5)
+    weights = torch.randn(slow.shape, generator=gen)
+    fast[finite].mul(weights[finite]).sum().backward()
+    slow[finite].mul(weights[finite]).sum().backward()
+    assert torch.isfinite(fast_in.grad).all()
+    torch.testing.assert_close(fast_in.grad, torch.nan_to_num(slow_in.grad), rtol=0, atol=1e-5)
