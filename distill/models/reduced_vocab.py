@@ -130,9 +130,12 @@ class ReducedHead(nn.Module):
         else:
             self.full_weight = None
         self.out_features, self.in_features, self.was_tied = int(vocab_size), int(hidden), bool(was_tied)
+        self.full_output = True  # False inside :func:`draft_vocabulary_logits`
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         reduced = self.proj(hidden_states)
+        if not self.full_output:
+            return reduced
         full = reduced.new_full((*reduced.shape[:-1], self.out_features), float("-inf"))
         return full.index_copy(-1, self.draft_to_target, reduced)
 
@@ -171,6 +174,35 @@ def draft_vocabulary_of(model: nn.Module) -> torch.Tensor | None:
         if isinstance(module, ReducedHead):
             return module.draft_to_target
     return None
+
+
+@contextlib.contextmanager
+def draft_vocabulary_logits(model: nn.Module) -> Iterator[torch.Tensor | None]:
+    """Within the block a reduced drafter's forward returns its N kept logits ``(..., N)``, not
+    ``(..., V)`` with ``-inf`` outside the set, so a loss over stored target ids (mapped by
+    :func:`draft_indices`) skips the scatter and spends its softmax passes on N columns, not V.
+
+    Yields ``draft_to_target`` ``(N,)``, or None for a full-vocabulary model (whose forward is
+    unchanged). The heads return full logits again on leaving the block, also on an error.
+    """
+    heads = [module for module in model.modules() if isinstance(module, ReducedHead)]
+    for head in heads:
+        head.full_output = False
+    try:
+        yield heads[0].draft_to_target if heads else None
+    finally:
+        for head in heads:
+            head.full_output = True
+
+
+def draft_indices(target_ids: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
+    """Target ids ``(...)`` -> their columns in the draft vocabulary ``(...)`` int64; ``N`` (one past
+    the last column) for an id outside it, so a caller that appends one ``-inf`` column reads
+    probability 0 there. ``draft_to_target`` ``(N,)`` must be ascending (it always is here)."""
+    size = draft_to_target.numel()
+    ids = target_ids.long()
+    column = torch.searchsorted(draft_to_target, ids).clamp(max=size - 1)
+    return torch.where(draft_to_target[column] == ids, column, torch.full_like(column, size))
 
 
 def reduce_vocabulary(model: nn.Module, draft_to_target: torch.Tensor) -> nn.Module:

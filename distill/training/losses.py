@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from distill.models.reduced_vocab import draft_indices
+
 LOSS_KINDS = ("fkl", "rkl", "jsd", "tvd", "ce")
 _IMPOSSIBLE_LOGP = -1e4  # exp() underflows to exactly 0 in float32, yet differences and gradients stay finite
 
@@ -263,16 +265,21 @@ def top_k_distillation_loss(
     jsd_beta: float = 0.5,
     temperature: float = 1.0,
     labels: torch.Tensor | None = None,
+    draft_to_target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position loss and expected acceptance against stored top-k target log-probabilities.
 
     Args:
-        student_logits: ``(N, vocab)`` drafter logits at the N loss positions.
+        student_logits: ``(N, vocab)`` drafter logits at the N loss positions; with
+            ``draft_to_target``, ``(N, D)`` over a reduced drafter's D kept ids only
+            (:func:`distill.models.reduced_vocab.draft_vocabulary_logits`): the same result as its
+            full ``(N, vocab)`` logits, ``-inf`` outside the set, at D/vocab of the softmax passes.
         top_k_ids, top_k_logprobs: ``(N, k)``, see :func:`top_k_log_probs`.
         kind, jsd_beta, temperature: as in :func:`distillation_loss` (``"ce"`` uses ``labels``
             and the full student distribution; the stored target is then unused; a label the
             drafter gives probability 0, outside a reduced vocabulary, contributes 0).
         labels: ``(N,)`` int64 next tokens, for ``kind="ce"``.
+        draft_to_target: ``(D,)`` ascending target ids of ``student_logits``' columns, or None.
 
     Returns:
         ``(loss, acceptance)``, each ``(N,)`` float32: the divergence on the coarsened
@@ -280,6 +287,10 @@ def top_k_distillation_loss(
         probability, see :func:`top_k_log_probs`); acceptance carries no gradient.
     """
     _check_args(kind, jsd_beta, temperature)
+    if draft_to_target is not None:  # target ids -> draft columns; the appended column is the ids outside
+        top_k_ids = draft_indices(top_k_ids, draft_to_target)
+        labels = None if labels is None else draft_indices(labels, draft_to_target)
+        student_logits = F.pad(student_logits, (0, 1), value=float("-inf"))
     _check_top_k(student_logits, top_k_ids, top_k_logprobs, temperature)
     student_top, student_rest = _student_top_and_rest(student_logits, top_k_ids.long(), temperature)
     student_logp, target_logp = _coarsened(student_top, student_rest, top_k_logprobs, drop_impossible=True)

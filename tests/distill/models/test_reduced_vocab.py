@@ -310,6 +310,39 @@ def test_training_a_reduced_drafter(tmp_path, target, method):
     assert torch.isfinite(torch.tensor(metrics["final_loss"]))
 
 
+def test_stored_top_k_step_on_draft_columns_equals_the_full_logits_loss(target):
+    """The training step against stored top-k reads a reduced drafter's (N, D) logits; its loss, gradient and
+    agreement equal those of the full (N, V) logits, and the head returns full logits again afterwards."""
+    from distill.training.loop import LossSpec, _stored_top_k_loss_step
+    from distill.training.losses import top_k_distillation_loss
+    drafter = build_drafter(tiny_model("drafter", seed=1), init="sibling")
+    reduce_vocabulary(drafter, KEPT)
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 259, (2, 9), generator=gen)
+    keep = torch.zeros(2, 9, dtype=torch.bool)
+    keep[:, 4:] = True
+    with torch.no_grad():
+        target_logp = torch.log_softmax(target(input_ids).logits[keep], -1)
+    top_logp, top_ids = target_logp.topk(8, dim=-1)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "loss_mask": keep,
+             "labels": top_ids[:, 0].new_zeros(2, 9).masked_scatter(keep, top_ids[:, 0]),
+             "top_k_ids": top_ids, "top_k_logprobs": top_logp}
+    spec = LossSpec(kind="fkl", jsd_beta=0.5, temperature=1.0)
+    loss, accept, agree = _stored_top_k_loss_step(drafter, {k: batch[k] for k in ("input_ids", "attention_mask")},
+                                                  batch, spec)
+    loss.backward()
+    grad = reduced_head(drafter).proj.weight.grad.clone()
+    drafter.zero_grad()
+    full = drafter(input_ids, attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
+    assert full.shape[-1] == 259  # full logits again outside the block
+    reference, reference_accept = top_k_distillation_loss(full, top_ids, top_logp, kind="fkl")
+    reference.mean().backward()
+    torch.testing.assert_close(loss, reference.mean(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(accept, reference_accept.sum().item(), rtol=0, atol=1e-4)
+    assert agree == float((full.argmax(-1) == top_ids[:, 0]).sum())
+    torch.testing.assert_close(grad, reduced_head(drafter).proj.weight.grad, rtol=0, atol=1e-5)
+
+
 # --- the pipeline -----------------------------------------------------------------------------------
 
 @pytest.mark.slow

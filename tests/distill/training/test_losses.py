@@ -247,3 +247,35 @@ def test_top_k_buckets_in_one_pass_equal_the_log_softmax_ones_with_their_gradien
     slow[finite].mul(weights[finite]).sum().backward()
     assert torch.isfinite(fast_in.grad).all()
     torch.testing.assert_close(fast_in.grad, torch.nan_to_num(slow_in.grad), rtol=0, atol=1e-5)
+
+
+def test_draft_indices_map_target_ids_to_columns_and_the_rest_one_past():
+    from distill.models.reduced_vocab import draft_indices
+    kept = torch.tensor([2, 5, 7, 40])
+    assert draft_indices(torch.tensor([[5, 40, 0], [7, 41, 2]]), kept).tolist() == [[1, 3, 4], [2, 4, 0]]
+
+
+@pytest.mark.parametrize("kind", ["fkl", "jsd", "rkl", "ce"])
+def test_top_k_loss_on_draft_vocabulary_columns_equals_it_on_full_logits(kind):
+    """A reduced drafter's (N, D) logits with the stored ids mapped give the loss, its gradient and the acceptance
+    of its full (N, V) logits (-inf outside the set), including stored ids and labels outside the set."""
+    from distill.training.losses import top_k_distillation_loss
+    gen = torch.Generator().manual_seed(1)
+    vocab, kept = 60, torch.tensor(sorted(torch.randperm(60, generator=gen)[:25].tolist()))
+    reduced = torch.randn(7, kept.numel(), generator=gen) * 2
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:6] for _ in range(7)])
+    ids[0, :3] = kept[:3]
+    target = torch.log_softmax(torch.randn(7, vocab, generator=gen), -1).gather(-1, ids).sort(-1, descending=True)[0]
+    labels = torch.cat([kept[:4], torch.tensor([i for i in range(vocab) if i not in kept.tolist()][:3])])
+
+    def full_logits(x):
+        return x.new_full((7, vocab), float("-inf")).index_copy(-1, kept, x)
+
+    on_draft, on_full = reduced.clone().requires_grad_(), reduced.clone().requires_grad_()
+    loss_d, accept_d = top_k_distillation_loss(on_draft, ids, target, kind=kind, labels=labels, draft_to_target=kept)
+    loss_f, accept_f = top_k_distillation_loss(full_logits(on_full), ids, target, kind=kind, labels=labels)
+    torch.testing.assert_close(loss_d, loss_f, rtol=0, atol=1e-5)
+    torch.testing.assert_close(accept_d, accept_f, rtol=0, atol=1e-6)
+    loss_d.sum().backward()
+    loss_f.sum().backward()
+    torch.testing.assert_close(on_draft.grad, on_full.grad, rtol=0, atol=1e-5)
