@@ -34,6 +34,7 @@ from decode.costs import (
 from decode.draft_length import choose_draft_length
 from decode.metrics import DecodeStats, theoretical_speedup
 from decode.model_calls import prefill, sync, vocab_size_of
+from decode.progress import heartbeat
 from decode.speculative import SpeculativeOutput, speculative_generate, target_generate
 
 
@@ -141,12 +142,14 @@ def hf_assisted_defaults(target, drafter, prompts: list[tuple[str, str, list[int
     tokens, seconds = 0, 0.0
     _hf_assisted_generate(target, drafter, torch.tensor([prompts[0][2]], device=target.device),
                           max_new_tokens=4, **args)  # warm-up
-    for _, _, ids in tqdm(prompts, desc="HF assisted (defaults)", unit="prompt", disable=not progress):
-        input_ids = torch.tensor([list(ids)], device=target.device)
-        prefill_s = _prefill_seconds(target, input_ids) + _prefill_seconds(drafter, input_ids)
-        new, wall_s = _hf_assisted_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, **args)
-        tokens += len(new)
-        seconds += max(wall_s - prefill_s, 1e-9)
+    bar = tqdm(prompts, desc="HF assisted (defaults)", unit="prompt", disable=not progress)
+    with heartbeat(bar, target=target):
+        for _, _, ids in bar:
+            input_ids = torch.tensor([list(ids)], device=target.device)
+            prefill_s = _prefill_seconds(target, input_ids) + _prefill_seconds(drafter, input_ids)
+            new, wall_s = _hf_assisted_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, **args)
+            tokens += len(new)
+            seconds += max(wall_s - prefill_s, 1e-9)
     return {"tokens_per_s": tokens / seconds, "new_tokens": tokens, "decode_s": seconds,
             "settings": "transformers defaults: num_assistant_tokens=20, constant, assistant_confidence_threshold=0.4"}
 
@@ -289,8 +292,9 @@ def run_target_alone(target, prompts: list[tuple[str, str, list[int]]], *, max_n
         return SpeculativeOutput(tokens, stats)
 
     decode_one(prompts[0][2], min(4, max_new_tokens))  # warm-up
-    return [decode_one(ids, max_new_tokens)
-            for _, _, ids in tqdm(prompts, desc=f"target alone ({engine})", unit="prompt", disable=not progress)]
+    bar = tqdm(prompts, desc=f"target alone ({engine})", unit="prompt", disable=not progress)
+    with heartbeat(bar, target=target):
+        return [decode_one(ids, max_new_tokens) for _, _, ids in bar]
 
 
 def benchmark(
@@ -424,8 +428,9 @@ def benchmark(
         _hf_assisted_generate(target, hf_drafter, warm_up, **hf_args, **warm_args)
 
     bar = tqdm(prompts, desc=f"speculative K={draft_length} ({schedule})", unit="prompt", disable=not progress)
-    runs = _timed_runs(target, drafter, bar, target_outputs, spec_args, decode_args, seed=seed,
-                       hf_drafter=hf_drafter if hf_assisted else None, hf_args=hf_args)
+    with heartbeat(bar, target=target):  # the target's forwards: one hook call per layer, not per drafted token
+        runs = _timed_runs(target, drafter, bar, target_outputs, spec_args, decode_args, seed=seed,
+                           hf_drafter=hf_drafter if hf_assisted else None, hf_args=hf_args)
 
     target_forward_s, cost_ratio, verify_costs, verify_rounds = _measure_costs(
         target, drafter, prompts, runs, draft_length, notes, verify_costs, forward_costs)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from decode.model_calls import crop, forward, prefill, sync
 from decode.timing import (
@@ -71,7 +72,8 @@ def measure_forward_seconds(target, drafter, prompts_ids: Sequence[Sequence[int]
 
 @torch.inference_mode()
 def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[Sequence[int]], *, rounds: int = 5,
-                        max_rounds: int = 20, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+                        max_rounds: int = 20, repeats: int = 3, seed: int = 0, progress: bool = True
+                        ) -> dict[str, Any]:
     """c of every drafter in ``drafters`` ({name: model as the decoder runs it}), timed side by side, as an
     estimate with its interval.
 
@@ -105,19 +107,27 @@ def measure_cost_ratios(target, drafters: dict[str, Any], prompts_ids: Sequence[
         raise ValueError("measure_cost_ratios needs prompts, drafters, rounds, repeats >= 1 and max_rounds >= rounds")
     models = {"\0target": target, **drafters}
     inputs = [torch.tensor([list(ids)], device=target.device) for ids in prompts_ids]
-    caches = [{name: prefill(model, input_ids) for name, model in models.items()} for input_ids in inputs]
-    for input_ids, cache in zip(inputs, caches):  # warm-up, not counted
-        for name, model in models.items():
-            _timed_forwards(model, input_ids[:, -1:], cache[name], 1)
+    # the bar moves between prefills and between rounds, never inside a timed forward
+    bar = tqdm(total=len(inputs) + rounds, desc="c: prefill, then timed rounds", unit="step", disable=not progress)
+    caches = []
+    for input_ids in inputs:
+        caches.append({name: prefill(model, input_ids) for name, model in models.items()})
+        for name, model in models.items():  # warm-up, not counted
+            _timed_forwards(model, input_ids[:, -1:], caches[-1][name], 1)
+        bar.update(1)
     per_round: dict[str, list[float]] = {name: [] for name in models}
     with CpuWatch() as watch:
         while True:
             for _ in range(rounds):
                 _one_round(models, inputs, caches, per_round, repeats)
+                bar.update(1)
             done = len(per_round["\0target"])
             spread = max(relative_spread(_ratios(per_round, name)) for name in drafters)
             if done + rounds > max_rounds or spread <= NOISY_SPREAD:
                 break
+            bar.total += rounds  # the rounds disagree: more of them
+            bar.set_postfix(spread=f"{spread:.2f}")
+    bar.close()
     del caches
     return _cost_ratio_estimates(per_round, drafters, watch.others_share, seed) | {
         "cost_ratio_from_shapes": {name: weight_bytes_per_token(model) / weight_bytes_per_token(target)

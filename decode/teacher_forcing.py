@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.model_calls import vocab_size_of
+from decode.progress import heartbeat
 from decode.sampling import process_logits
 
 
@@ -70,25 +71,36 @@ def target_answers(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     batches = batches_by_length([len(p) for p in prompts], max_tokens=batch_tokens or 1 << 62, max_rows=batch_size)
     mine = _part(list(enumerate(batches)), part)  # numbered: a sampled batch's seed is its number
     bar = tqdm(total=sum(len(rows) for _, rows in mine), desc="target answers", unit="prompt", disable=not progress)
-    for number, rows in mine:
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(rows):
-            ids[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
-            mask[r, width - len(prompts[i]):] = 1
-        if temperature > 0:
-            torch.manual_seed(seed * 1_000_003 + number)
-        out = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
-                              max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_ids) or None,
-                              pad_token_id=pad_token_id, repetition_penalty=1.0, **sampling)
-        for r, i in enumerate(rows):
-            row = out[r, width:].tolist()
-            end = next((j + 1 for j, token in enumerate(row) if token in eos), len(row))
-            answers[i] = row[:end]
-        bar.update(len(rows))
+    with heartbeat(bar, target=target):
+        for number, rows in mine:
+            answers_batch = _generate_batch(target, prompts, rows, number, pad_token_id=pad_token_id,
+                                            eos_token_ids=eos_token_ids, max_new_tokens=max_new_tokens,
+                                            sampling=sampling, seed=seed, temperature=temperature)
+            for i, row in zip(rows, answers_batch):
+                end = next((j + 1 for j, token in enumerate(row) if token in eos), len(row))
+                answers[i] = row[:end]
+            bar.update(len(rows))
     bar.close()
     return answers
+
+
+def _generate_batch(target, prompts: Sequence[Sequence[int]], rows: list[int], number: int, *, pad_token_id: int,
+                    eos_token_ids: Sequence[int], max_new_tokens: int, sampling: dict, seed: int,
+                    temperature: float) -> list[list[int]]:
+    """One left-padded ``generate`` call over prompts ``rows``: each row's new tokens (up to max_new_tokens,
+    EOS and padding after it included); a sampled batch seeds torch's generator with its ``number``."""
+    width = max(len(prompts[i]) for i in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, i in enumerate(rows):
+        ids[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
+        mask[r, width - len(prompts[i]):] = 1
+    if temperature > 0:
+        torch.manual_seed(seed * 1_000_003 + number)
+    out = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                          max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_ids) or None,
+                          pad_token_id=pad_token_id, repetition_penalty=1.0, **sampling)
+    return [out[r, width:].tolist() for r in range(len(rows))]
 
 
 def _part(batches: list, part: tuple[int, int]) -> list:
@@ -239,7 +251,8 @@ def shared_body_predictions(drafters: Sequence, prompts: Sequence[Sequence[int]]
     batches = _part(batches_by_length([len(p) + len(a) for p, a in zip(prompts, answers)], batch_tokens,
                                       max_rows=64), part)
     with tqdm(total=sum(len(answers[i]) for rows in batches for i in rows), unit="tok", disable=not progress,
-              desc=f"teacher-forced drafters ({len(drafters)} heads, one body)") as bar:
+              desc=f"teacher-forced drafters ({len(drafters)} heads, one body)") as bar, \
+            heartbeat(bar, drafter=body):
         for rows in batches:
             per_head = _answer_logits_per_head(body, heads, [list(prompts[i]) for i in rows],
                                                [list(answers[i]) for i in rows], vocab)
@@ -273,7 +286,7 @@ def drafter_predictions(drafter, prompts: Sequence[Sequence[int]], answers: Sequ
     lengths = [len(p) + len(a) for p, a in zip(prompts, answers)]
     batches = _part(batches_by_length(lengths, batch_tokens, max_rows=64), part)
     with tqdm(total=sum(len(answers[i]) for rows in batches for i in rows), desc="teacher-forced drafter",
-              unit="tok", disable=not progress) as bar:
+              unit="tok", disable=not progress) as bar, heartbeat(bar, drafter=drafter):
         for rows in batches:
             logits = _answer_logits(drafter, [list(prompts[i]) for i in rows], [list(answers[i]) for i in rows], vocab)
             for i, row_logits in zip(rows, logits):
@@ -323,12 +336,14 @@ def sampling_betas(target, drafter, prompts: Sequence[Sequence[int]], answers: S
     results: list = [None] * len(prompts)
     batches = _part(batches_by_length([len(p) + len(a) for p, a in zip(prompts, answers)], batch_tokens,
                                       max_rows=16), part)
-    for rows in tqdm(batches, desc="teacher-forced betas", unit="batch", disable=not progress):
-        batch_prompts, batch_answers = [list(prompts[i]) for i in rows], [list(answers[i]) for i in rows]
-        target_logits = _answer_logits(target, batch_prompts, batch_answers, vocab)
-        draft_logits = _answer_logits(drafter, batch_prompts, batch_answers, vocab)
-        for i, t_logits, d_logits in zip(rows, target_logits, draft_logits):
-            target_probs = process_logits(t_logits, temperature, top_k, top_p)
-            draft_probs = process_logits(d_logits, temperature, top_k, top_p)
-            results[i] = torch.minimum(target_probs, draft_probs).sum(-1).clamp(0.0, 1.0).tolist()
+    bar = tqdm(batches, desc="teacher-forced betas", unit="batch", disable=not progress)
+    with heartbeat(bar, target=target, drafter=drafter):
+        for rows in bar:
+            batch_prompts, batch_answers = [list(prompts[i]) for i in rows], [list(answers[i]) for i in rows]
+            target_logits = _answer_logits(target, batch_prompts, batch_answers, vocab)
+            draft_logits = _answer_logits(drafter, batch_prompts, batch_answers, vocab)
+            for i, t_logits, d_logits in zip(rows, target_logits, draft_logits):
+                target_probs = process_logits(t_logits, temperature, top_k, top_p)
+                draft_probs = process_logits(d_logits, temperature, top_k, top_p)
+                results[i] = torch.minimum(target_probs, draft_probs).sum(-1).clamp(0.0, 1.0).tolist()
     return results

@@ -34,6 +34,7 @@ from datasets import Dataset, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 
 from decode.cpu_linear import use_onednn_linear
+from decode.progress import heartbeat
 from decode.teacher_forcing import batches_by_length
 from distill import parallel
 from distill.config import Config
@@ -200,17 +201,18 @@ def _answer_members(engine, members: list[int], encoded: list[list[int]], g, see
                                                    top_p=g.top_p)))
         done(members, time.perf_counter() - t)
         return answered
-    for start in sorted({m - m % g.shard_size for m in members}):
-        torch.manual_seed(seed * 1_000_003 + start)
-        shard = [m for m in members if start <= m < start + g.shard_size]
-        lengths = [len(encoded[i]) + (len(given[i][0]) if given else 0) for i in shard]
-        for batch in batches_by_length(lengths, g.batch_tokens, g.batch_size):
-            idx = [shard[k] for k in batch]
-            t = time.perf_counter()
-            answered.update(zip(idx, _answer_or_explain(engine, [encoded[i] for i in idx], idx, g, shard_root,
-                                                        pad_id=pad_id, eos_ids=eos_ids,
-                                                        given=[given[i] for i in idx] if given else None)))
-            done(idx, time.perf_counter() - t)
+    with heartbeat(bar, target=engine):
+        for start in sorted({m - m % g.shard_size for m in members}):
+            torch.manual_seed(seed * 1_000_003 + start)
+            shard = [m for m in members if start <= m < start + g.shard_size]
+            lengths = [len(encoded[i]) + (len(given[i][0]) if given else 0) for i in shard]
+            for batch in batches_by_length(lengths, g.batch_tokens, g.batch_size):
+                idx = [shard[k] for k in batch]
+                t = time.perf_counter()
+                answered.update(zip(idx, _answer_or_explain(engine, [encoded[i] for i in idx], idx, g, shard_root,
+                                                            pad_id=pad_id, eos_ids=eos_ids,
+                                                            given=[given[i] for i in idx] if given else None)))
+                done(idx, time.perf_counter() - t)
     return answered
 
 

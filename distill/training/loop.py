@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from decode.acceptance import TeacherForced, simulate_greedy
 from decode.metrics import DecodeStats
+from decode.progress import heartbeat
 from decode.teacher_forcing import drafter_predictions
 from distill.config import DistillConfig
 from distill.errors import DraftsmithError, OutOfMemoryError, out_of_memory_bytes
@@ -234,47 +235,14 @@ def train_drafter(
                             warn=run.accelerator.is_main_process)
     val_args = dict(loss=d.loss, jsd_beta=d.jsd_beta, temperature=d.temperature, batch_size=d.batch_size,
                     max_seq_len=d.max_seq_len, pad_token_id=pad_token_id, draft_length=validation_draft_length)
-    result: dict[str, Any] = {}
-    before: dict | None = None
-    if val_examples:
-        # A resumed run reports the validation of the untrained drafter that its checkpoint carries,
-        # not of the half-trained one it restarts from.
-        before = (run.state or {}).get("validation_before")
-        if before is None:
-            before = _prefixed(validate(run.drafter, target, val_examples, **val_args), "before")
-        result.update(before)
-    batches = iter(run.loader)  # before restoring the RNG: creating an iterator may draw from it
-    if run.state is not None:
-        set_rng_state(rng_state_to_resume(run.state, run.accelerator.process_index, run.accelerator.num_processes))
-    if run.start_step >= d.max_steps:
-        log.warning("the checkpoint is at step %d, at or past max_steps=%d: nothing left to train (raise "
-                    "distill.max_steps to continue)", run.start_step, d.max_steps)
     sink = _Sink(output_dir, logger, progress, run.start_step, d.max_steps, run.accelerator.is_main_process)
-    if before is not None and run.start_step == 0:  # "val_loss_before" -> "loss": the curve's step 0
-        sink.validation(0, {k[len("val_"):-len("_before")]: v for k, v in before.items()})
-    seen = {"examples": run.examples_seen, "tokens": run.tokens_seen, "this_call": 0}
-    checkpoint = Path(resume_from) if resume_from is not None else None
-    t_start = time.perf_counter()
-    # 3. train: one optimizer step per iteration, a checkpoint and a validation where due
-    try:
-        for step in range(run.start_step + 1, d.max_steps + 1):
-            record = _optimizer_step(run, target, batches, step, d, spec, seen, checkpoint,
-                                     pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
-            sink.step(record)
-            if (d.checkpoint_every and step % d.checkpoint_every == 0) or step == d.max_steps:
-                # 4. save
-                checkpoint = save_checkpoint(run, output_dir, step=step, examples_seen=seen["examples"],
-                                              tokens_seen=seen["tokens"], validation_before=before)
-                if d.keep_checkpoints and run.accelerator.is_main_process:
-                    prune_checkpoints(output_dir, d.keep_checkpoints)
-            if val_examples and d.validate_every and step % d.validate_every == 0 and step < d.max_steps:
-                sink.validation(step, validate(run.drafter, target, val_examples, **val_args))
-    finally:
-        train_s = time.perf_counter() - t_start
-        sink.close()
-        run.loader.end()  # the stream is infinite: tell accelerate we left it
-        run.accelerator.free_memory()
-
+    # 2. validate the untrained drafter, 3. train and save; the bar moves inside long steps too
+    with heartbeat(sink.bar, drafter=run.drafter, target=target):
+        before, result = _validation_before(run, target, val_examples, val_args, sink)
+        train_s, seen, checkpoint = _train_steps(run, target, d, spec, sink, before, resume_from,
+                                                 output_dir=output_dir, val_examples=val_examples,
+                                                 val_args=val_args, pad_token_id=pad_token_id,
+                                                 eos_token_ids=eos_token_ids)
     if is_fsdp2(run.accelerator):
         # the caller's drafter gets the trained weights (FSDP trained a sharded copy), before the validation's
         # forward leaves the unsharded tail modules holding their bf16 compute copies
@@ -291,6 +259,58 @@ def train_drafter(
     result.update(_summary(sink.losses, max(d.max_steps, run.start_step), seen, train_s, checkpoint))
     result["packing"] = d.packing  # what distill.packing=null became for these models
     return result
+
+
+def _validation_before(run: "_TrainingSetup", target, val_examples, val_args: dict, sink: "_Sink"
+                       ) -> tuple[dict | None, dict[str, Any]]:
+    """The untrained drafter's validation (``val_*_before``; None without validation examples) and the result
+    dict it starts; a fresh run's goes to the curve as step 0. A resumed run reports the validation its
+    checkpoint carries, not one of the half-trained drafter it restarts from."""
+    result: dict[str, Any] = {}
+    before: dict | None = None
+    if val_examples:
+        before = (run.state or {}).get("validation_before")
+        if before is None:
+            before = _prefixed(validate(run.drafter, target, val_examples, **val_args), "before")
+        result.update(before)
+    if before is not None and run.start_step == 0:  # "val_loss_before" -> "loss": the curve's step 0
+        sink.validation(0, {k[len("val_"):-len("_before")]: v for k, v in before.items()})
+    return before, result
+
+
+def _train_steps(run: "_TrainingSetup", target, d: DistillConfig, spec: LossSpec, sink: "_Sink",
+                 before: dict | None, resume_from, *, output_dir: Path, val_examples, val_args: dict, pad_token_id: int,
+                 eos_token_ids) -> tuple[float, dict, Path | None]:
+    """Steps ``run.start_step + 1 .. d.max_steps``, each with its checkpoint and validation where due; returns
+    (seconds, examples and tokens seen, the last checkpoint). The bar is closed and the data stream ended on
+    leaving, also on an error."""
+    batches = iter(run.loader)  # before restoring the RNG: creating an iterator may draw from it
+    if run.state is not None:
+        set_rng_state(rng_state_to_resume(run.state, run.accelerator.process_index, run.accelerator.num_processes))
+    if run.start_step >= d.max_steps:
+        log.warning("the checkpoint is at step %d, at or past max_steps=%d: nothing left to train (raise "
+                    "distill.max_steps to continue)", run.start_step, d.max_steps)
+    seen = {"examples": run.examples_seen, "tokens": run.tokens_seen, "this_call": 0}
+    checkpoint = Path(resume_from) if resume_from is not None else None
+    t_start = time.perf_counter()
+    try:
+        for step in range(run.start_step + 1, d.max_steps + 1):
+            record = _optimizer_step(run, target, batches, step, d, spec, seen, checkpoint,
+                                     pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
+            sink.step(record)
+            if (d.checkpoint_every and step % d.checkpoint_every == 0) or step == d.max_steps:
+                checkpoint = save_checkpoint(run, output_dir, step=step, examples_seen=seen["examples"],
+                                              tokens_seen=seen["tokens"], validation_before=before)
+                if d.keep_checkpoints and run.accelerator.is_main_process:
+                    prune_checkpoints(output_dir, d.keep_checkpoints)
+            if val_examples and d.validate_every and step % d.validate_every == 0 and step < d.max_steps:
+                sink.validation(step, validate(run.drafter, target, val_examples, **val_args))
+    finally:
+        train_s = time.perf_counter() - t_start
+        sink.close()
+        run.loader.end()  # the stream is infinite: tell accelerate we left it
+        run.accelerator.free_memory()
+    return train_s, seen, checkpoint
 
 
 def _summary(history: list[float], steps: int, seen: dict, train_s: float, checkpoint: Path | None) -> dict:
