@@ -215,7 +215,10 @@ class DistillConfig:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the update is scaled by lora_alpha / lora_r"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA branch's input"})
     lr: float = field(default=2e-4, metadata={
-        "help": "peak learning rate (AdamW): linear warmup to it, then linear decay to 0 at max_steps"})
+        "help": "peak learning rate (AdamW): linear warmup to it, then distill.lr_schedule"})
+    lr_schedule: str = field(default="linear", metadata={
+        "help": "after the warmup: linear (decay to 0 at max_steps) | constant (the peak lr to the end: every "
+                "checkpoint of one run is a training budget of its own, see distill.checkpoint_at)"})
     max_steps: int = field(default=20, metadata={"help": "optimizer steps in all (a resumed run's included)"})
     batch_size: int = field(default=4, metadata={"help": "examples per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
@@ -255,6 +258,9 @@ class DistillConfig:
                 "logger"})
     checkpoint_every: int = field(default=10, metadata={
         "help": "optimizer steps between checkpoints (0 = only at the end)"})
+    checkpoint_at: list[int] = field(default_factory=list, metadata={
+        "help": "optimizer steps that also write a checkpoint, never pruned (the budget points of one run: "
+                "evaluate.checkpoints measures each), e.g. [13,26,40,65]"})
     keep_checkpoints: int = field(default=2, metadata={
         "help": "newest checkpoints kept on disk (0 = all): a full 0.5B checkpoint with optimizer state is ~6 GB"})
     resume: str = field(default="auto", metadata={
@@ -298,6 +304,11 @@ class DistillConfig:
         _check(self.max_seq_len >= 8, "distill.max_seq_len", "must be >= 8")
         _check(0.0 <= self.val_fraction < 1.0, "distill.val_fraction", "must be in [0, 1)")
         _check(self.checkpoint_every >= 0, "distill.checkpoint_every", "must be >= 0")
+        _check(self.lr_schedule in ("linear", "constant"), "distill.lr_schedule",
+               f"must be linear or constant, got {self.lr_schedule!r}")
+        _check(all(isinstance(s, int) and 1 <= s <= self.max_steps for s in self.checkpoint_at),
+               "distill.checkpoint_at", f"must be optimizer steps from 1 to distill.max_steps={self.max_steps}; "
+               f"got {list(self.checkpoint_at)}")
         _check(self.keep_checkpoints >= 0, "distill.keep_checkpoints", "must be >= 0 (0 = keep all)")
         _check(self.validate_every >= 0, "distill.validate_every", "must be >= 0 (0 = before and after only)")
 

@@ -170,8 +170,14 @@ def checkpoint_bytes(drafter: torch.nn.Module) -> int:
     return weights + 2 * trainable + 1024 * len(trained) + 16 * 1024
 
 
+def checkpoint_due(step: int, *, max_steps: int, checkpoint_every: int, checkpoint_at=()) -> bool:
+    """Whether optimizer step ``step`` writes a checkpoint: every ``checkpoint_every`` steps (0 = none), at each
+    step of ``checkpoint_at`` (budget points) and at the last."""
+    return bool(checkpoint_every and step % checkpoint_every == 0) or step in checkpoint_at or step == max_steps
+
+
 def check_checkpoint_space(drafter: torch.nn.Module, output_dir: Path, *, start_step: int, max_steps: int,
-                            checkpoint_every: int, keep: int, warn: bool = True) -> None:
+                            checkpoint_every: int, keep: int, warn: bool = True, checkpoint_at=()) -> None:
     """Refuse before training if the disk cannot hold one checkpoint; warn if it cannot hold the peak.
 
     A new checkpoint is written before older ones are pruned, so ``keep`` kept checkpoints need room
@@ -180,12 +186,14 @@ def check_checkpoint_space(drafter: torch.nn.Module, output_dir: Path, *, start_
     Raises:
         DiskFullError: less free space at ``output_dir`` than one checkpoint takes.
     """
-    to_write = sum(1 for step in range(start_step + 1, max_steps + 1)  # as the training loop decides
-                   if (checkpoint_every and step % checkpoint_every == 0) or step == max_steps)
+    due = [step for step in range(start_step + 1, max_steps + 1)  # as the training loop decides
+           if checkpoint_due(step, max_steps=max_steps, checkpoint_every=checkpoint_every, checkpoint_at=checkpoint_at)]
+    to_write = len(due)
     if not to_write:
         return
     size, free = checkpoint_bytes(drafter), shutil.disk_usage(output_dir).free
-    peak = to_write if not keep else min(to_write, keep + 1)
+    kept_anyway = sum(1 for step in due if step in checkpoint_at and step != max_steps)  # never pruned
+    peak = to_write if not keep else min(to_write, keep + 1 + kept_anyway)
     require_free_space(output_dir, size, "a training checkpoint (weights + optimizer state)")
     if warn and free < peak * size:
         log.warning("%.2f GiB free at %s holds %d of the %d checkpoints of about %.2f GiB each that this run keeps "
@@ -213,9 +221,11 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def prune_checkpoints(output_dir: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints (by step)."""
-    for _, path in complete_checkpoints(output_dir)[:-keep]:
+def prune_checkpoints(output_dir: Path, keep: int, protected=()) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (by step), sparing the steps in ``protected``
+    (``distill.checkpoint_at``'s budget points)."""
+    prunable = [(step, path) for step, path in complete_checkpoints(output_dir) if step not in protected]
+    for _, path in prunable[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
 

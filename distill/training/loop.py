@@ -55,6 +55,7 @@ from distill.training.checkpoint import (
     copy_sharded_weights,
     load_optimizer_state,
     load_weights,
+    checkpoint_due,
     prune_checkpoints,
     read_state,
     rng_state_to_resume,
@@ -228,10 +229,11 @@ def train_drafter(
                  grad_accum=d.grad_accum, max_seq_len=d.max_seq_len, warmup_steps=d.warmup_steps,
                  weight_decay=d.weight_decay, seed=d.seed, resume_from=resume_from, pad_token_id=pad_token_id,
                  mixed_precision=d.mixed_precision, gradient_checkpointing=d.gradient_checkpointing,
-                 parallel=d.parallel)
+                 parallel=d.parallel, lr_schedule=d.lr_schedule)
     # every process checks (a refusal on the main one alone would leave the others waiting for it)
     check_checkpoint_space(run.plain, output_dir, start_step=run.start_step,
                             max_steps=d.max_steps, checkpoint_every=d.checkpoint_every, keep=d.keep_checkpoints,
+                            checkpoint_at=d.checkpoint_at,
                             warn=run.accelerator.is_main_process)
     val_args = dict(loss=d.loss, jsd_beta=d.jsd_beta, temperature=d.temperature, batch_size=d.batch_size,
                     max_seq_len=d.max_seq_len, pad_token_id=pad_token_id, draft_length=validation_draft_length)
@@ -298,11 +300,12 @@ def _train_steps(run: "_TrainingSetup", target, d: DistillConfig, spec: LossSpec
             record = _optimizer_step(run, target, batches, step, d, spec, seen, checkpoint,
                                      pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
             sink.step(record)
-            if (d.checkpoint_every and step % d.checkpoint_every == 0) or step == d.max_steps:
+            if checkpoint_due(step, max_steps=d.max_steps, checkpoint_every=d.checkpoint_every,
+                              checkpoint_at=d.checkpoint_at):
                 checkpoint = save_checkpoint(run, output_dir, step=step, examples_seen=seen["examples"],
                                               tokens_seen=seen["tokens"], validation_before=before)
                 if d.keep_checkpoints and run.accelerator.is_main_process:
-                    prune_checkpoints(output_dir, d.keep_checkpoints)
+                    prune_checkpoints(output_dir, d.keep_checkpoints, protected=d.checkpoint_at)
             if val_examples and d.validate_every and step % d.validate_every == 0 and step < d.max_steps:
                 sink.validation(step, validate(run.drafter, target, val_examples, **val_args))
     finally:
@@ -587,10 +590,10 @@ class _TrainingSetup:
 
 def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_accum, max_seq_len,
            warmup_steps, weight_decay, seed, resume_from, pad_token_id, mixed_precision="no",
-           gradient_checkpointing=False, parallel="ddp") -> _TrainingSetup:
+           gradient_checkpointing=False, parallel="ddp", lr_schedule="linear") -> _TrainingSetup:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from transformers import get_linear_schedule_with_warmup
+    from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
 
     examples = _usable_examples(examples, max_seq_len, "training")
     mixed_precision = resolve_mixed_precision(mixed_precision)
@@ -628,7 +631,8 @@ def _setup(drafter, target, examples, *, spec, lr, max_steps, batch_size, grad_a
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     optimizer = torch.optim.AdamW(groups, lr=lr)
-    scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, max_steps)
+    scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, max_steps) if lr_schedule == "linear" \
+        else get_constant_schedule_with_warmup(optimizer, warmup_steps)
     examples_seen = state["examples_seen"] if state else 0
     loader = DataLoader(
         examples, batch_size=batch_size,

@@ -43,7 +43,7 @@ LOCK = ".distill.lock"  # held while a run trains: a live run's checkpoints are 
 CHECKPOINTS = "checkpoints"
 ATTEMPTS = "attempts"  # earlier, killed runs that this one continued
 LOG = "log.jsonl"  # distill.tracking.JsonlLogger's file
-_NOT_IN_KEY = ("max_steps", "checkpoint_every", "resume", "keep_checkpoints", "validate_every")
+_NOT_IN_KEY = ("max_steps", "checkpoint_every", "checkpoint_at", "resume", "keep_checkpoints", "validate_every")
 
 
 def _unused_settings(distill: dict) -> set[str]:
@@ -58,6 +58,8 @@ def _unused_settings(distill: dict) -> set[str]:
         unused.add("freeze_embeddings")
     if not distill["on_policy_fraction"]:
         unused.add("on_policy_temperature")
+    if distill.get("lr_schedule", "linear") == "linear":  # the schedule of every run before the setting existed
+        unused.add("lr_schedule")
     return unused
 
 

@@ -375,3 +375,11 @@ def test_each_process_resumes_with_its_own_rng_state_when_the_process_count_matc
     assert rng_state_to_resume(state, 1, 2) == {"torch": "second"}
     assert rng_state_to_resume(state, 1, 3) == {"torch": "main"}  # another process count: the main's
     assert rng_state_to_resume({"rng": {"torch": "only"}}, 0, 1) == {"torch": "only"}  # a 1-process checkpoint
+
+
+def test_resume_key_keeps_linear_schedule_runs_and_separates_constant_ones():
+    base = _compose("experiment=tiny")
+    key = resume_key(base, "data-a", "fp")
+    assert key == resume_key(_compose("experiment=tiny", "distill.lr_schedule=linear", "distill.checkpoint_at=[1]"),
+                             "data-a", "fp")
+    assert key != resume_key(_compose("experiment=tiny", "distill.lr_schedule=constant"), "data-a", "fp")

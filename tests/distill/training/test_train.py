@@ -10,7 +10,7 @@ from tiny_models import tiny_qwen2
 from transformers import Qwen2ForCausalLM
 
 from distill.drafters.build import LoraSettings, build_drafter
-from distill.errors import DraftsmithError
+from distill.errors import ConfigError, DraftsmithError
 from distill.training.loop import collate, train_drafter, validate
 
 VOCAB = 300
@@ -339,3 +339,26 @@ def test_cut_examples_are_warned_about_once_per_split(caplog):
                    "answer from the right): raise distill.max_seq_len to train on whole examples",
                    "3 of 3 training examples are longer than max_seq_len=8 and were cut (prompt from the left, "
                    "answer from the right): raise distill.max_seq_len to train on whole examples"]
+
+
+def test_constant_schedule_and_budget_checkpoints_are_kept_past_pruning(target, examples, tmp_path):
+    # one run, several training budgets: the lr stays at its peak after the warmup, and the checkpoint_at steps
+    # survive keep_checkpoints=1, each with the tokens it had seen
+    result = train_drafter(_sibling(), target, examples,
+                           loop_settings(lr=1e-3, lr_schedule="constant", warmup_steps=2, max_steps=7, batch_size=2,
+                                         checkpoint_every=2, keep_checkpoints=1, checkpoint_at=[1, 3]),
+                           output_dir=tmp_path, progress=False)
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[0] < 1e-3 and lrs[2:] == [1e-3] * 5
+    kept = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))
+    assert kept == [1, 3, 7]  # 2, 4 and 6 pruned; 7, the last, is the newest
+    tokens = [json.loads((tmp_path / f"checkpoint-{s}" / "trainer_state.json").read_text())["tokens_seen"]
+              for s in kept]
+    assert 0 < tokens[0] < tokens[1] < tokens[2] == result["tokens_seen"]
+
+
+def test_checkpoint_at_outside_the_run_is_refused():
+    with pytest.raises(ConfigError, match="distill.checkpoint_at"):
+        loop_settings(max_steps=5, checkpoint_at=[3, 6])
+    with pytest.raises(ConfigError, match="distill.lr_schedule"):
+        loop_settings(lr_schedule="cosine")
