@@ -393,6 +393,11 @@ class EvaluateConfig:
         "help": "also measure the stock drafter (drafter.name as shipped) with its LM head cut to the N most frequent "
                 "tokens of the training answers, untrained, for each N listed (e.g. [32000,64000]): what a reduced "
                 "vocabulary costs in acceptance and saves in c before any distillation"})
+    checkpoints: bool = field(default=False, metadata={
+        "help": "also measure every checkpoint-<step> the distill run kept (distill.checkpoint_at's budget points; "
+                "distill.keep_checkpoints=0 keeps all), untimed, with the distilled drafter's c (the same shapes): "
+                "acceptance and tau against training tokens, in report.json budget_curve, a table in report.md and "
+                "budget_curve.png"})
     stock_drafter: bool = field(default=True, metadata={
         "help": "when the drafter is depth-pruned or has a reduced vocabulary, also measure drafter.name as shipped "
                 "(whole, full vocabulary: what a user has without draftsmith); every drafter's against_stock figures "

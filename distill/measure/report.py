@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.files import write_bytes_atomic, write_text_atomic
+from distill.measure.budget import budget_curve_lines, plot_budget_curve
 from distill.measure.timing_trust import disturbed, disturbed_sentence, speed_verdict
 
 _ROWS = [  # (label, key, format)
@@ -237,8 +238,8 @@ def _against_stock_lines(report: dict[str, Any]) -> list[str]:
 
 def render_report_markdown(report: dict[str, Any]) -> str:
     """A Markdown page: the before/after table, HF assisted baseline, per-category and per-position figures."""
-    sections = (_header, _timed_table, _validation_section, _hf_assisted_section, _draft_length_section,
-                _per_category_section, _per_position_section, _stages_section, _plots_and_notes)
+    sections = (_header, _timed_table, _validation_section, budget_curve_lines, _hf_assisted_section,
+                _draft_length_section, _per_category_section, _per_position_section, _stages_section, _plots_and_notes)
     return "\n".join(line for section in sections for line in section(report)) + "\n"
 
 
@@ -527,6 +528,7 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
                                                         _plot_speedup_vs_k, _plot_expected_vs_measured,
                                                         _plot_simulated_vs_k)]
     plots.append(_plot_training(plt, report, base, folder, training_metrics))
+    plots.append(plot_budget_curve(plt, report, folder, _save))
     return [path for path in plots if path is not None]
 
 

@@ -52,6 +52,7 @@ from distill.measure.simulation import (
     teacher_forced,
     teacher_forced_shared,
 )
+from distill.measure.budget import budget_curve
 from distill.measure.quiet_costs import fallback_costs, remember
 from distill.measure.timing_trust import report_timing
 from distill.models.loading import eos_token_ids, load_model
@@ -63,6 +64,8 @@ from distill.models.reduced_vocab import (
     reduced_head,
 )
 from distill.runs import StageRun, peak_rss_bytes, read_manifest, require_complete, resolve_input
+from distill.training.checkpoint import checkpoint_tokens, complete_checkpoints, trained_drafter_at
+from distill.training.resume import CHECKPOINTS
 from distill.tracking import make_logger, run_name
 
 
@@ -197,11 +200,12 @@ def _as_runner(model, quantization: str):
 
 
 def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, measure, runners: dict[str, Any],
-                        draft_vocab, prompts, answers) -> None:
+                        draft_vocab, prompts, answers, checkpoints: list[str] = ()) -> None:
     """The undistilled drafter (with the paired difference), ``evaluate.compare_drafters`` (the stock drafter
     among them when :func:`_reference_drafters` added it) and prompt lookup, measured like the distilled one
     into ``report``; ``runners`` is emptied as each is done (memory). Every model drafter then gets
-    ``against_stock`` (:func:`_against_stock`)."""
+    ``against_stock`` (:func:`_against_stock`), and each of ``checkpoints`` (``evaluate.checkpoints``) its
+    ``paired_difference`` against the undistilled one."""
     dec = cfg.decode
     pairings = {"distilled": tuned}
     verify = report.get("verify_costs")
@@ -226,6 +230,10 @@ def _measure_the_others(cfg: Config, report: dict[str, Any], tuned: Pairing, mea
     for name in list(runners):
         print(f"evaluate: {name} (evaluate.compare_drafters) on the same prompts{untimed}")
         report["compared_drafters"][name], pairings[name] = measure(runners.pop(name), name)
+    for name in checkpoints if "undistilled" in pairings else ():
+        report["compared_drafters"][name]["paired_difference"] = {
+            **paired_tau_difference(pairings[name].at_k, pairings["undistilled"].at_k, seed=cfg.evaluate.seed),
+            "of": f"{name} minus undistilled, simulated tau on the same prompts"}
     _against_stock(cfg, report, pairings)
     if cfg.evaluate.prompt_lookup:
         lookup = prompt_lookup_section(prompts, answers, settings_of(dec, report), verify, cfg.evaluate.seed)
@@ -329,6 +337,10 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
     if not report["timing"]["disturbed"]:
         remember(report["side_by_side_costs"], str(run_dir))
     _add_distill_validation(report, distill_manifest)
+    if ev.checkpoints:
+        train = distill_manifest.get("train") or {}
+        report["budget_curve"] = budget_curve(report, ev.checkpoints, {"step": train.get("steps"),
+                                              "tokens_seen": train.get("tokens_seen", 0)}, train.get("tokens_per_s"))
     report["phase_seconds"] = laps.seconds  # where evaluate's time went (each drafter's own split: its "seconds")
     report["phase_peak_rss_gib"] = laps.peak_gib
     report_path = _write_report(cfg, report, run_dir, distill_dir)
@@ -371,6 +383,7 @@ class _Evaluation:
     eval_set: dict[str, Any] = dataclasses.field(default_factory=dict)
     answers: list[list[int]] = dataclasses.field(default_factory=list)
     teacher_forced_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    checkpoints: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # evaluate.checkpoints' steps
 
 
 def _load_evaluation(cfg: Config, distill_dir: Path, held_out: list[Prompt], trained_on: Path) -> _Evaluation:
@@ -388,6 +401,8 @@ def _load_evaluation(cfg: Config, distill_dir: Path, held_out: list[Prompt], tra
     del tuned
     runners.update(_reference_drafters(cfg, info, runners["distilled"], tokenizer,
                                        _training_completions(cfg, trained_on), as_runner))
+    checkpoint_runners, checkpoints = _checkpoint_drafters(cfg, distill_dir, info, tuned_vocab, as_runner)
+    runners.update(checkpoint_runners)
     use_onednn_linear(target)  # float32 on a CPU: few-token forwards through oneDNN (decode.cpu_linear)
     settings = dict(draft_length=dec.draft_length, schedule=dec.schedule, max_draft_length=dec.max_draft_length,
                     confidence_threshold=dec.confidence_threshold, target_engine=cfg.evaluate.target_engine,
@@ -397,7 +412,7 @@ def _load_evaluation(cfg: Config, distill_dir: Path, held_out: list[Prompt], tra
         vocab=min(m.get_output_embeddings().out_features for m in (target, *runners.values())),
         quantization=quantization, tuned_vocab_size=None if tuned_vocab is None else int(tuned_vocab.numel()),
         tuned_parameters=tuned_parameters, load_s=load_s, eos=eos,
-        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0])
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0], checkpoints=checkpoints)
 
 
 def _decode_args(cfg: Config, eos: list[int], tokenizer) -> dict[str, Any]:
@@ -452,9 +467,11 @@ def _timed_drafters(cfg: Config, ev: _Evaluation, samples: dict[str, list], laps
     alone = run_target_alone(ev.target, ev.timed, vocab_size=ev.vocab, engine=cfg.evaluate.target_engine,
                              **_decode_args(cfg, ev.eos, ev.tokenizer))
     laps("target_alone")
-    print(f"evaluate: c of the {len(runners)} drafters, timed side by side (interleaved rounds on "
+    print(f"evaluate: c of the {len(runners) - len(ev.checkpoints)} drafters, timed side by side (interleaved rounds on "
           f"{min(3, len(ev.timed))} prompts, more rounds while they disagree)")
-    costs = measure_cost_ratios(ev.target, runners, [ids for _, _, ids in ev.timed[:3]], seed=cfg.evaluate.seed)
+    timed = {k: v for k, v in runners.items() if k not in ev.checkpoints}  # a checkpoint has the distilled shapes
+    costs = measure_cost_ratios(ev.target, timed, [ids for _, _, ids in ev.timed[:3]], seed=cfg.evaluate.seed)
+    _share_costs(costs, "distilled", list(ev.checkpoints))
     costs["cost_ratio_fallback"] = fallback_costs(costs)  # stands in, labelled, where the timing was disturbed
     laps("cost_ratios")
     measure = functools.partial(_measure_drafter, cfg, ev, alone, costs=costs, samples=samples)
@@ -465,7 +482,8 @@ def _timed_drafters(cfg: Config, ev: _Evaluation, samples: dict[str, list], laps
     report["side_by_side_costs"] = costs
     laps("distilled_drafter")
     draft_vocab = draft_vocabulary_of(runners["undistilled"]) if "undistilled" in runners else None
-    _measure_the_others(cfg, report, tuned_pairing, measure, runners, draft_vocab, ev.prompts, ev.answers)
+    _measure_the_others(cfg, report, tuned_pairing, measure, runners, draft_vocab, ev.prompts, ev.answers,
+                        checkpoints=list(ev.checkpoints))
     laps("other_drafters")
     return report
 
@@ -587,6 +605,47 @@ def _reference_drafters(cfg: Config, info: dict[str, Any], tuned, tokenizer, tra
         del other
     drafters.update(_reduced_stock_drafters(cfg, stock, tokenizer, train_completions, as_runner))
     return drafters
+
+
+def _checkpoint_drafters(cfg: Config, distill_dir: Path, info: dict[str, Any], draft_vocab,
+                         as_runner) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:
+    """``evaluate.checkpoints``: every ``checkpoint-<step>`` the distill run kept before its last step (that one
+    is the distilled drafter), built as the run built it, as ``as_runner`` makes it, keyed by folder name; and
+    each one's ``{"step", "tokens_seen", "examples_seen"}``. Nothing when the setting is off."""
+    if not cfg.evaluate.checkpoints:
+        return {}, {}
+    final_step = (read_manifest(distill_dir).get("train") or {}).get("steps")
+    found = [(step, path) for step, path in complete_checkpoints(distill_dir / CHECKPOINTS)
+             if final_step is None or step < final_step]
+    if not found:
+        print(f"evaluate: warning: evaluate.checkpoints: {distill_dir} kept no checkpoint before its last step "
+              "(distill with distill.checkpoint_at=[...] or distill.keep_checkpoints=0); only the final drafter "
+              "is measured", flush=True)
+    runners, tokens = {}, {}
+    for _, path in found:
+        print(f"evaluate: loading {path.name} of the distill run (evaluate.checkpoints)", flush=True)
+        base, _, _ = initial_drafter(_as_distilled(cfg, info), dtype=cfg.drafter.dtype)
+        if draft_vocab is not None:  # the head the run trained with: the checkpoint's weights fit it
+            reduce_vocabulary(base, draft_vocab.clone())
+        runners[path.name] = as_runner(trained_drafter_at(base, path).eval())
+        tokens[path.name] = checkpoint_tokens(path)
+    return runners, tokens
+
+
+def _share_costs(costs: dict[str, Any], source: str, names: list[str]) -> None:
+    """Give each of ``names`` (drafters of ``source``'s shapes, not timed themselves) ``source``'s entry in every
+    per-drafter table of ``costs`` (:func:`decode.costs.measure_cost_ratios`), and a place in its pooled group."""
+    if not names:
+        return
+    for table in costs.values():
+        if isinstance(table, dict) and source in table:
+            table.update({name: table[source] for name in names})
+    groups = costs.setdefault("pooled", [])
+    group = next((g for g in groups if source in g), None)
+    if group is None:
+        groups.append([source, *names])
+    else:
+        group.extend(names)
 
 
 def reduced_head_name(stock: str, size: int) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distill.drafters.build import state_dict_bytes
+from distill.drafters.build import merge_drafter, state_dict_bytes
 from distill.errors import DiskFullError, DraftsmithError
 from distill.files import human_bytes, make_shareable, require_free_space
 from distill.parallel import is_fsdp2
@@ -279,6 +279,31 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     if missing or unexpected:
         raise DraftsmithError(f"weights in {path} do not fit the drafter (missing {missing[:3]}, unexpected "
                               f"{unexpected[:3]}): build the drafter as in the run that wrote the checkpoint")
+
+
+def trained_drafter_at(base: torch.nn.Module, checkpoint: Path) -> torch.nn.Module:
+    """The drafter ``checkpoint`` (a ``checkpoint-<step>`` folder) holds, merged: ``base`` is the undistilled
+    drafter built as the run built it (its reduced head, if any, applied) and without LoRA; a LoRA checkpoint's
+    adapter is attached (peft reads its settings from ``adapter_config.json``) and merged, a full one's weights
+    are loaded into ``base`` in place.
+
+    Raises:
+        DraftsmithError: the checkpoint's weights do not fit ``base``.
+    """
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        return merge_drafter(PeftModel.from_pretrained(base, str(checkpoint)))
+    load_weights(base, checkpoint)
+    return base
+
+
+def checkpoint_tokens(checkpoint: Path) -> dict[str, int]:
+    """``{"step", "tokens_seen", "examples_seen"}`` from ``checkpoint``'s state file (tokens: completion
+    tokens trained on, as ``metrics.jsonl`` counts them)."""
+    state = json.loads((Path(checkpoint) / STATE_FILE).read_text(encoding="utf-8"))
+    return {k: int(state[k]) for k in ("step", "tokens_seen", "examples_seen")}
 
 
 def _rng_states_of_every_process(accelerator: Any) -> list[dict]:

@@ -49,7 +49,9 @@ def tiny_run(tmp_path_factory):
     """One finished tiny pipeline, ``(root, proc)``, that the tests of this module read (its report is the last
     line of ``proc.stdout``) and start their own runs from; a test that changes a run's files copies it first."""
     root = tmp_path_factory.mktemp("pipeline")
-    proc = draftsmith_tiny("pipeline", "experiment=tiny", f"outputs={root}/outputs", cwd=root)
+    # with one budget point before the end, measured by evaluate (test_the_report_holds_the_budget_curve)
+    proc = draftsmith_tiny("pipeline", "experiment=tiny", f"outputs={root}/outputs", "distill.checkpoint_at=[4]",
+                           "evaluate.checkpoints=true", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root, proc
 
@@ -72,6 +74,28 @@ def test_pipeline_prints_report_path_last(tiny_run):
     assert report["outputs_match_target"] is True  # greedy, fp32 tiny models: lossless
     assert set(report["stages"]) == {"generate", "distill", "evaluate", "export"}
     assert (report_path.parent / "report.md").read_text().startswith("# draftsmith evaluation report")
+
+
+def test_the_report_holds_the_budget_curve(tiny_run):
+    _, proc = tiny_run
+    report_path = Path(proc.stdout.strip().splitlines()[-1])
+    report = json.loads(report_path.read_text())
+    points = report["budget_curve"]["points"]
+    assert [p["drafter"] for p in points] == ["undistilled", "checkpoint-4", "distilled"]
+    assert [p["step"] for p in points] == [0, 4, 8]
+    assert points[0]["training_tokens"] == 0 < points[1]["training_tokens"] < points[2]["training_tokens"]
+    checkpoint = report["compared_drafters"]["checkpoint-4"]
+    assert points[1]["mean_accepted_tokens"] == checkpoint["simulated"]["mean_accepted_tokens"]
+    assert points[1]["tau_minus_undistilled"]["mean"] == pytest.approx(
+        checkpoint["simulated"]["mean_accepted_tokens"] - report["baseline_drafter"]["simulated"]["mean_accepted_tokens"])
+    # the checkpoint has the distilled drafter's shapes: its c is that one's, not timed again
+    costs = report["side_by_side_costs"]
+    assert costs["cost_ratios"]["checkpoint-4"] == costs["cost_ratios"]["distilled"]
+    assert points[2]["predicted_speedup_ratio_to_stock"]["ratio"] == report["against_stock"]["predicted_speedup_ratio"]["ratio"]
+    assert report["budget_curve"]["fit"]["points"] == 2
+    markdown = (report_path.parent / "report.md").read_text()
+    assert "## Training budget" in markdown and "| checkpoint-4 |" in markdown
+    assert (report_path.parent / "budget_curve.png").is_file()
 
 
 def test_every_stage_folder_is_complete(tiny_run):

@@ -362,3 +362,33 @@ def test_checkpoint_at_outside_the_run_is_refused():
         loop_settings(max_steps=5, checkpoint_at=[3, 6])
     with pytest.raises(ConfigError, match="distill.lr_schedule"):
         loop_settings(lr_schedule="cosine")
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_budget_checkpoint_holds_what_a_run_of_that_length_trains(target, examples, tmp_path, lora):
+    # under the constant schedule the first 3 steps of a 6-step run are a 3-step run: its checkpoint-3, loaded
+    # into an untrained drafter as evaluate.checkpoints loads it, has the weights the short run ends with
+    from distill.drafters.build import merge_drafter
+    from distill.training.checkpoint import checkpoint_tokens, trained_drafter_at
+
+    def make():
+        torch.manual_seed(123)
+        return build_drafter(target, init="layers", num_layers=2, layer_selection="even",
+                             lora=LoraSettings(r=4, alpha=8, dropout=0.0) if lora else None)
+
+    settings = dict(loss="fkl", lr=1e-2, lr_schedule="constant", warmup_steps=1, batch_size=3)
+    long = train_drafter(make(), target, examples, loop_settings(max_steps=6, checkpoint_at=[3], **settings),
+                         output_dir=tmp_path / "long", progress=False)
+    short_drafter = make()
+    short = train_drafter(short_drafter, target, examples, loop_settings(max_steps=3, **settings),
+                          output_dir=tmp_path / "short", progress=False)
+    torch.manual_seed(123)
+    untrained = build_drafter(target, init="layers", num_layers=2, layer_selection="even")
+    loaded = trained_drafter_at(untrained, tmp_path / "long" / "checkpoint-3")
+    expected = merge_drafter(short_drafter).state_dict()
+    got = loaded.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
+    assert checkpoint_tokens(tmp_path / "long" / "checkpoint-3")["tokens_seen"] == short["tokens_seen"] \
+        < long["tokens_seen"]
