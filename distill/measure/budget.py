@@ -89,7 +89,7 @@ def budget_curve_lines(report: dict[str, Any]) -> list[str]:
     if not curve or not curve.get("points"):
         return []
     lines = ["", "## Training budget", "",
-             f"Each checkpoint of the distill run measured on the same {report.get('num_prompts')} prompts "
+             f"Each checkpoint of the distill run measured on the same {_num_prompts(report)} prompts "
              "(exact simulation; intervals 95% over prompts, the ratio's also over c's timing rounds). Training "
              "tokens are completion tokens trained on, repeats included.", "",
              "| drafter | training tokens | acceptance | tau | tau minus undistilled | "
@@ -120,6 +120,11 @@ def _budget_sentence(fit: dict[str, Any]) -> str:
     return "Extrapolated along the line (a straight line in log tokens, not a law): " + "; ".join(parts) + "."
 
 
+def _num_prompts(report: dict[str, Any]) -> Any:
+    """The prompts the curve was simulated on (the report's top-level count is the timed subset's)."""
+    return (report.get("simulated") or {}).get("num_prompts", report.get("num_prompts"))
+
+
 def _ci(value: float | None, ci: list[float] | None, fmt: str = "{:.3f}") -> str:
     if value is None:
         return "-"
@@ -148,7 +153,7 @@ def plot_budget_curve(plt, report: dict[str, Any], folder: Path, save) -> Path |
         ax.set_xlabel("training tokens")
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle(f"training budget ({report.get('num_prompts')} held-out prompts, K = {report.get('draft_length')})")
+    fig.suptitle(f"training budget ({_num_prompts(report)} prompts, K = {report.get('draft_length')})")
     fig.tight_layout()
     path = Path(folder) / "budget_curve.png"
     save(plt, fig, path)

@@ -95,6 +95,7 @@ def test_the_report_holds_the_budget_curve(tiny_run):
     assert report["budget_curve"]["fit"]["points"] == 2
     markdown = (report_path.parent / "report.md").read_text()
     assert "## Training budget" in markdown and "| checkpoint-4 |" in markdown
+    assert f"measured on the same {report['simulated']['num_prompts']} prompts" in markdown
     assert (report_path.parent / "budget_curve.png").is_file()
 
 
