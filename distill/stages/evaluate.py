@@ -35,6 +35,7 @@ from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, 
 from distill.errors import ConfigError, DraftsmithError
 from distill.files import write_json_atomic
 from distill.hardware import hardware, process_device, release_memory
+from distill.measure.budget import budget_curve
 from distill.measure.report import REPORT_JSON, REPORT_MD, ratio_or_none, write_report_markdown, write_report_plots
 from distill.measure.simulation import (
     Pairing,
@@ -52,7 +53,6 @@ from distill.measure.simulation import (
     teacher_forced,
     teacher_forced_shared,
 )
-from distill.measure.budget import budget_curve
 from distill.measure.quiet_costs import fallback_costs, remember
 from distill.measure.timing_trust import report_timing
 from distill.models.loading import eos_token_ids, load_model

@@ -294,7 +294,11 @@ def trained_drafter_at(base: torch.nn.Module, checkpoint: Path) -> torch.nn.Modu
     if (checkpoint / "adapter_config.json").is_file():
         from peft import PeftModel
 
-        return merge_drafter(PeftModel.from_pretrained(base, str(checkpoint)))
+        try:
+            return merge_drafter(PeftModel.from_pretrained(base, str(checkpoint)))
+        except (RuntimeError, ValueError, KeyError) as err:  # peft's words for an adapter of another shape
+            raise DraftsmithError(f"the LoRA adapter in {checkpoint} does not fit the drafter ({err}): evaluate it "
+                                  "with the drafter.* settings of the run that wrote it") from err
     load_weights(base, checkpoint)
     return base
 

@@ -392,3 +392,15 @@ def test_a_budget_checkpoint_holds_what_a_run_of_that_length_trains(target, exam
         torch.testing.assert_close(got[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
     assert checkpoint_tokens(tmp_path / "long" / "checkpoint-3")["tokens_seen"] == short["tokens_seen"] \
         < long["tokens_seen"]
+
+
+def test_a_lora_checkpoint_for_another_drafter_is_refused_with_its_folder(target, examples, tmp_path):
+    from distill.training.checkpoint import trained_drafter_at
+
+    train_drafter(_lora_cut(target, dropout=0.0), target, examples, loop_settings(max_steps=1, batch_size=2),
+                  output_dir=tmp_path, progress=False)
+    # the same layer names, another hidden size
+    other = build_drafter(tiny_qwen2(2, 5, vocab_size=VOCAB, max_position_embeddings=128, hidden_size=48,
+                                     tie_word_embeddings=False, pad_token_id=0), init="sibling")
+    with pytest.raises(DraftsmithError, match="checkpoint-1"):
+        trained_drafter_at(other, tmp_path / "checkpoint-1")
