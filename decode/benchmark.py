@@ -51,6 +51,8 @@ class _PromptRun:
 TARGET_ENGINES = ("hf", "loop")
 VERIFY_ROUNDS = 5
 """Timing rounds of the target's verification costs (their median and its bootstrap come from these)."""
+MIN_VERIFY_LENGTHS = 8
+"""Verification costs are timed for 1..MIN_VERIFY_LENGTHS + 1 tokens at least (K up to 8 needs no extrapolation)."""
 
 
 def _hf_kwargs(*, max_new_tokens, eos_token_ids, temperature, top_k=0, top_p=1.0, stop_strings=(),
@@ -519,7 +521,7 @@ def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_lengt
         target_forward_s, draft_forward_s = measure_forward_seconds(target, drafter, calibration_ids)
         cost_ratio = draft_forward_s / target_forward_s
     longest = max(max(r.speculative.stats.drafted_per_block, default=0) for r in runs)
-    wanted = min(max(8, longest), 16) + 1
+    wanted = min(max(MIN_VERIFY_LENGTHS, longest), 16) + 1
     rounds = None
     if given_verify is not None and len(given_verify) >= wanted:
         verify_costs = list(given_verify)

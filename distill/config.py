@@ -384,6 +384,11 @@ class EvaluateConfig:
                 "predicted from their exact simulated tau and their c timed side by side, at the distilled drafter's K "
                 "under decode.schedule=auto) or all (every drafter decoded in real time too, about 40 s each for the "
                 "default pair on a 2-core CPU)"})
+    draft_length: str = field(default="recommended", metadata={
+        "help": "the K the timed runs decode at: recommended = the distilled drafter's K of highest predicted speedup "
+                "(its exact simulated tau at K = 1..16 on every evaluation prompt, c timed side by side and the "
+                "target's verification costs timed first; decode.schedule=constant only), which every drafter is "
+                "then simulated at; decode = decode.draft_length"})
     baseline: bool = field(default=True, metadata={"help": "also measure the undistilled drafter"})
     compare_drafters: list[str] = field(default_factory=list, metadata={
         "help": "other drafters measured untrained in the same run, on the same prompts (shipped names or model "
@@ -412,6 +417,8 @@ class EvaluateConfig:
         _check(self.timed_prompts >= 1, "evaluate.timed_prompts", "must be >= 1 (at most num_prompts are timed)")
         _check(self.timed_drafters in ("distilled", "all"), "evaluate.timed_drafters",
                f"must be 'distilled' or 'all', got {self.timed_drafters!r}")
+        _check(self.draft_length in ("recommended", "decode"), "evaluate.draft_length",
+               f"must be 'recommended' or 'decode' (decode.draft_length), got {self.draft_length!r}")
         _check(all(isinstance(n, str) and n.strip() for n in self.compare_drafters), "evaluate.compare_drafters",
                f"must be a list of model names or folders, e.g. [qwen2.5-coder-0.5b-instruct]; got {self.compare_drafters}")
         _check(all(isinstance(n, int) and n >= 1 for n in self.compare_vocab_sizes), "evaluate.compare_vocab_sizes",

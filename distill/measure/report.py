@@ -430,10 +430,23 @@ def _draft_length_section(report: dict[str, Any]) -> list[str]:
                      f"extrapolate it with the mean measured value (use decode.schedule=auto to measure them). "
                      if choice.get("measured_positions") else "")
                   + ("" if choice.get("speculation_pays") else
-                     "**No K is expected to beat the target alone with this pair on this machine.**"), "",
+                     "**No K is expected to beat the target alone with this pair on this machine.**")
+                  + _decoded_at(report), "",
                   "| K | " + " | ".join(str(k) for k in by_k) + " |", "|---|" + "---|" * len(by_k),
                   "| expected speedup | " + " | ".join(_fmt(v, "{:.2f}x") for v in by_k.values()) + " |"]
     return lines
+
+
+def _decoded_at(report: dict[str, Any]) -> str:
+    """Where the timed runs' K came from, when evaluate chose it (``evaluate.draft_length=recommended``)."""
+    chosen = report.get("draft_length_from")
+    if not chosen:
+        return ""
+    by_k = {int(k): v for k, v in (chosen.get("predicted_speedup_by_k") or {}).items()}
+    configured = chosen.get("decode_draft_length")
+    return (f" The timed runs decoded at K = {chosen.get('chosen')}, chosen this way before them on the same "
+            f"{chosen.get('num_prompts')} prompts (`evaluate.draft_length=recommended`; decode.draft_length = "
+            f"{configured} predicted {_fmt(by_k.get(configured), '{:.2f}x')}).")
 
 
 def _per_category_section(report: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,9 +22,9 @@ from typing import Any
 
 import torch
 
-from decode.acceptance import paired_tau_difference
-from decode.benchmark import benchmark, run_target_alone
-from decode.costs import machine_busy, measure_cost_ratios
+from decode.acceptance import MAX_SIMULATED_K, paired_tau_difference
+from decode.benchmark import MIN_VERIFY_LENGTHS, VERIFY_ROUNDS, benchmark, run_target_alone
+from decode.costs import machine_busy, measure_cost_ratios, measure_verify_cost_rounds, monotone_verify_costs
 from decode.cpu_linear import use_onednn_linear
 from decode.quantization import drafter_for_decoding, resolve_quantization
 from decode.timing import CpuWatch
@@ -328,7 +329,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
         "target": {"name": cfg.target.name, "fingerprint": ev.target_res.fingerprint, "dtype": cfg.target.dtype},
         "drafter": {**report["drafter"], "dtype": cfg.drafter.dtype, "path": str(distill_dir / DRAFTER_DIR),
                     "parameters": ev.tuned_parameters},
-        "decode": {**asdict(cfg.decode), "drafter_quantization_used": ev.quantization},
+        "decode": {**asdict(cfg.decode), "drafter_quantization_used": ev.quantization,
+                   "draft_length_used": ev.settings["draft_length"]},
         "prompt_ids": [p[0] for p in ev.prompts],
         "eval_prompts": ev.eval_set,  # held-out (the generate run's) or evaluate.prompts, with its training overlap
         "distill_inputs": distill_manifest.get("inputs", {}),  # the generate runs it was trained on
@@ -475,9 +477,18 @@ def _timed_drafters(cfg: Config, ev: _Evaluation, samples: dict[str, list], laps
     costs["cost_ratio_fallback"] = fallback_costs(costs)  # stands in, labelled, where the timing was disturbed
     laps("cost_ratios")
     measure = functools.partial(_measure_drafter, cfg, ev, alone, costs=costs, samples=samples)
-    print("evaluate: distilled drafter, timed")
+    chosen = _choose_draft_length(cfg, ev, samples["distilled"], costs)
+    if chosen:
+        laps("draft_length_choice")
+    print(f"evaluate: distilled drafter, timed at K = {ev.settings['draft_length']}")
+    verify = (chosen or {}).get("verify")
     report, tuned_pairing = measure(runners.pop("distilled"), "distilled", hf_assisted=cfg.evaluate.hf_assisted,
-                                    check=True)
+                                    check=True, verify_costs=verify and verify["costs"],
+                                    verify_rounds=verify and verify["rounds"])
+    if verify:  # measured here before the timed run, as benchmark would have measured them after it
+        report["verify_cost_rounds"], report["verify_costs_measured"] = verify["rounds"], verify["measured"]
+    if chosen:
+        report["draft_length_from"] = chosen["summary"]
     report["drafter"] = {**ev.info, "draft_vocab_size": ev.tuned_vocab_size}  # which drafter is stock reads it
     report["side_by_side_costs"] = costs
     laps("distilled_drafter")
@@ -486,6 +497,41 @@ def _timed_drafters(cfg: Config, ev: _Evaluation, samples: dict[str, list], laps
                         checkpoints=list(ev.checkpoints))
     laps("other_drafters")
     return report
+
+
+def _choose_draft_length(cfg: Config, ev: _Evaluation, distilled: list, costs: dict[str, Any]) -> dict[str, Any] | None:
+    """``evaluate.draft_length=recommended``: the K the timed runs decode at, set in ``ev.settings``: the one of
+    the highest predicted speedup for the distilled drafter, from its exact simulation on every evaluation prompt
+    at K = 1..16 (``distilled``: its teacher-forced pass), its c timed side by side (``costs``) and the target's
+    verification costs, timed here on the first 3 timed prompts as the benchmark times them. Returns the
+    verification costs (``verify``: ``costs``, ``rounds``, ``measured``, reused by the timed run where they
+    reach the chosen K) and the report's ``draft_length_from``; None where K stays ``decode.draft_length``
+    (``evaluate.draft_length=decode``, or a schedule other than constant, which sets its own K)."""
+    if cfg.evaluate.draft_length != "recommended" or cfg.decode.schedule != "constant":
+        return None
+    calibration = [ids for _, _, ids in ev.timed[:3]]
+    wanted = min(max(MIN_VERIFY_LENGTHS, cfg.decode.draft_length), MAX_SIMULATED_K) + 1
+    print(f"evaluate: the target's verification costs (1..{wanted} tokens) and the distilled drafter's exact tau at "
+          f"K = 1..{MAX_SIMULATED_K}, to decode at the K they recommend (evaluate.draft_length=recommended)")
+    rounds = measure_verify_cost_rounds(ev.target, calibration, wanted, rounds=VERIFY_ROUNDS)
+    measured = [statistics.median(r[n] for r in rounds) for n in range(wanted)]
+    verify_costs = monotone_verify_costs(measured)
+    model_costs = {"cost_ratio": costs["cost_ratios"]["distilled"], "verify_costs": verify_costs,
+                   "cost_ratio_rounds": (costs.get("cost_ratio_rounds") or {}).get("distilled"),
+                   "verify_cost_rounds": rounds}
+    section, _ = simulated_drafter(distilled, settings_of(cfg.decode, {}), model_costs, cfg.evaluate.seed)
+    best = int(section["recommended_draft_length"])
+    ev.settings["draft_length"] = best
+    by_k = {int(k): v["predicted_speedup"] for k, v in section["per_k"].items()}
+    print(f"evaluate: K = {best} recommended (predicted {by_k[best]:.2f}x; K = {cfg.decode.draft_length}, "
+          f"decode.draft_length: {by_k.get(cfg.decode.draft_length, float('nan')):.2f}x)")
+    # the timed run measures more lengths itself when the chosen K needs them (benchmark._measure_costs)
+    reuse = min(max(MIN_VERIFY_LENGTHS, best), MAX_SIMULATED_K) + 1 <= wanted
+    return {"verify": {"costs": verify_costs, "rounds": rounds, "measured": measured} if reuse else None,
+            "summary": {"setting": "recommended", "decode_draft_length": cfg.decode.draft_length, "chosen": best,
+                        "predicted_speedup_by_k": by_k, "num_prompts": section["num_prompts"],
+                        "source": "the distilled drafter's exact simulated tau at each K, c timed side by side, "
+                                  "the target's verification costs timed before the timed runs"}}
 
 
 class _Laps:

@@ -67,13 +67,22 @@ def test_pipeline_prints_report_path_last(tiny_run):
     # the undistilled drafter is simulated, not timed (evaluate.timed_drafters=distilled)
     assert report["baseline_drafter"]["timed"] is False
     assert set(report["baseline_drafter"]["simulated"]) >= {"acceptance_rate", "mean_accepted_tokens", "draft_length"}
-    assert report["draft_length"] == 3
+    # decoded at the K its own simulation recommends (evaluate.draft_length=recommended), not decode.draft_length=3
+    chosen = report["draft_length_from"]
+    by_k = {int(k): v for k, v in chosen["predicted_speedup_by_k"].items()}
+    assert report["draft_length"] == chosen["chosen"] == max(by_k, key=lambda k: (by_k[k], -k))
+    assert chosen["decode_draft_length"] == 3 and report["decode"]["draft_length_used"] == report["draft_length"]
+    assert report["simulated"]["draft_length"] == report["draft_length"]
+    assert report["simulated"]["recommended_draft_length"] == report["draft_length"]  # the same costs, the same pick
+    assert len(report["verify_cost_rounds"]) == 5 and len(report["verify_costs"]) >= 9
     assert report["num_prompts"] == 3
     assert 0.0 <= report["acceptance_rate"] <= 1.0
     assert 1.0 <= report["mean_accepted_tokens"] <= report["draft_length"] + 1
     assert report["outputs_match_target"] is True  # greedy, fp32 tiny models: lossless
     assert set(report["stages"]) == {"generate", "distill", "evaluate", "export"}
-    assert (report_path.parent / "report.md").read_text().startswith("# draftsmith evaluation report")
+    markdown = (report_path.parent / "report.md").read_text()
+    assert markdown.startswith("# draftsmith evaluation report")
+    assert f"The timed runs decoded at K = {report['draft_length']}, chosen this way" in markdown
 
 
 def test_the_report_holds_the_budget_curve(tiny_run):
@@ -242,19 +251,22 @@ def test_evaluate_compares_other_drafters_in_the_same_run(tiny_run, tmp_path):
     # drafter.* of this command says 2 layers (the whole tiny target: accepted always), but the baseline is the
     # drafter the run started from (1 layer), as in the pipeline's own report
     proc = draftsmith_tiny("evaluate", "experiment=tiny", f"outputs={tmp_path}/eval2", f"inputs.distill={distill_run}",
-                           "drafter.num_layers=2", "evaluate.hf_assisted=false", cwd=root)
+                           "drafter.num_layers=2", "evaluate.hf_assisted=false", "evaluate.draft_length=decode",
+                           cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [again] = list((tmp_path / "eval2").glob("evaluate/*/report.json"))
     pipeline_report = json.loads(Path(pipeline.stdout.strip().splitlines()[-1]).read_text())
     again_report = json.loads(again.read_text())
+    # the pipeline decoded at its recommended K; its simulation at K = 3 is this run's
     assert again_report["baseline_drafter"]["simulated"]["mean_accepted_tokens"] == \
-        pipeline_report["baseline_drafter"]["simulated"]["mean_accepted_tokens"] < 1 + report["draft_length"]
+        pipeline_report["baseline_drafter"]["simulated"]["per_k"]["3"]["mean_accepted_tokens"] < 1 + 3
     # by default only the distilled drafter is decoded in real time; the others are simulated, at its K
     for section in (again_report["baseline_drafter"], again_report["compared_drafters"]["tiny-target"]):
         assert section["timed"] is False and "speedup" not in section and "timed_decoding" not in section["seconds"]
         assert section["simulated"]["draft_length"] == again_report["draft_length"]
         assert section["draft_length_choice"]["cost_ratio"] == section["simulated"]["cost_ratio"] > 0
     assert "timed_decoding" in again_report["seconds"] and again_report["speedup"] > 0
+    assert again_report["draft_length"] == 3 and "draft_length_from" not in again_report  # decode.draft_length
     markdown = (again.parent / "report.md").read_text()
     assert "Not timed here (`evaluate.timed_drafters=distilled`): the undistilled drafter, `tiny-target`" in markdown
     assert "| figure | distilled drafter |" in markdown and "timed speedup ratio" not in markdown
