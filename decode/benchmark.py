@@ -28,8 +28,7 @@ from transformers.utils import logging as hf_logging
 
 from decode.costs import (
     measure_forward_seconds,
-    measure_verify_cost_rounds,
-    monotone_verify_costs,
+    timed_verify_costs,
 )
 from decode.draft_length import choose_draft_length
 from decode.metrics import DecodeStats, theoretical_speedup
@@ -526,8 +525,7 @@ def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_lengt
     if given_verify is not None and len(given_verify) >= wanted:
         verify_costs = list(given_verify)
     else:
-        rounds = measure_verify_cost_rounds(target, calibration_ids, wanted, rounds=VERIFY_ROUNDS)
-        verify_costs = monotone_verify_costs([statistics.median(r[n] for r in rounds) for n in range(wanted)])
+        verify_costs, _, rounds = timed_verify_costs(target, calibration_ids, wanted, rounds=VERIFY_ROUNDS)
     slow_verify = verify_costs[min(draft_length, len(verify_costs) - 1)]
     if slow_verify > 2.0:
         notes.append(f"verifying K + 1 = {draft_length + 1} tokens cost {slow_verify:.1f} one-token target forwards on "

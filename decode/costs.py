@@ -298,6 +298,19 @@ def measure_verify_cost_rounds(target, prompts_ids: Sequence[Sequence[int]], max
     return result
 
 
+def timed_verify_costs(target, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
+                       rounds: int) -> tuple[list[float], list[float], list[list[float]]]:
+    """The verification costs the cost model uses, for n = 1..max_tokens: ``(non-decreasing costs, their raw
+    medians over the rounds, the rounds)`` (:func:`measure_verify_cost_rounds`, :func:`monotone_verify_costs`).
+
+    Raises:
+        ValueError: as :func:`measure_verify_cost_rounds`.
+    """
+    timing_rounds = measure_verify_cost_rounds(target, prompts_ids, max_tokens, rounds=rounds)
+    measured = [statistics.median(r[n] for r in timing_rounds) for n in range(max_tokens)]
+    return monotone_verify_costs(measured), measured, timing_rounds
+
+
 def monotone_verify_costs(costs: Sequence[float]) -> list[float]:
     """Measured verification costs ``(n,)`` made non-decreasing: entries 2..n by the closest non-decreasing
     sequence (least squares: the pool-adjacent-violators algorithm), none below the first, the unit (the

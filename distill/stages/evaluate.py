@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 from decode.acceptance import MAX_SIMULATED_K, paired_tau_difference
 from decode.benchmark import MIN_VERIFY_LENGTHS, VERIFY_ROUNDS, benchmark, run_target_alone
-from decode.costs import machine_busy, measure_cost_ratios, measure_verify_cost_rounds, monotone_verify_costs
+from decode.costs import machine_busy, measure_cost_ratios, timed_verify_costs
 from decode.cpu_linear import use_onednn_linear
 from decode.quantization import drafter_for_decoding, resolve_quantization
 from decode.timing import CpuWatch
@@ -513,9 +512,7 @@ def _choose_draft_length(cfg: Config, ev: _Evaluation, distilled: list, costs: d
     wanted = min(max(MIN_VERIFY_LENGTHS, cfg.decode.draft_length), MAX_SIMULATED_K) + 1
     print(f"evaluate: the target's verification costs (1..{wanted} tokens) and the distilled drafter's exact tau at "
           f"K = 1..{MAX_SIMULATED_K}, to decode at the K they recommend (evaluate.draft_length=recommended)")
-    rounds = measure_verify_cost_rounds(ev.target, calibration, wanted, rounds=VERIFY_ROUNDS)
-    measured = [statistics.median(r[n] for r in rounds) for n in range(wanted)]
-    verify_costs = monotone_verify_costs(measured)
+    verify_costs, measured, rounds = timed_verify_costs(ev.target, calibration, wanted, rounds=VERIFY_ROUNDS)
     model_costs = {"cost_ratio": costs["cost_ratios"]["distilled"], "verify_costs": verify_costs,
                    "cost_ratio_rounds": (costs.get("cost_ratio_rounds") or {}).get("distilled"),
                    "verify_cost_rounds": rounds}
