@@ -712,7 +712,8 @@ def _reduced_stock_drafters(cfg: Config, stock: str, tokenizer, train_completion
         try:
             reduce_for_training(model, size, train_completions, always=eos_token_ids(model, tokenizer))
         except ValueError as err:
-            raise ConfigError(f"evaluate.compare_vocab_sizes: {err}") from err
+            raise ConfigError(f"evaluate.compare_vocab_sizes: {err}; give sizes below it, or "
+                              "evaluate.compare_vocab_sizes=[] to measure no cut head") from err
         reduced[reduced_head_name(stock, size)] = as_runner(model.eval())
         del model
     return reduced

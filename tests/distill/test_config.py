@@ -32,6 +32,15 @@ def test_default_is_the_shipped_qwen_pair():
     assert cfg.logger.kind == "wandb" and cfg.logger.mode == "offline"
 
 
+def test_default_recipe_is_the_budget_curves_best_point():
+    """RESULTS.md: full fine-tuning of the whole sibling at lr 2e-6, about 10k tokens (13 steps of 4 examples)."""
+    cfg = _compose()
+    assert (cfg.distill.method, cfg.distill.lr, cfg.distill.lr_schedule) == ("full", 2e-6, "constant")
+    assert cfg.distill.max_steps * cfg.distill.batch_size * cfg.distill.grad_accum == 52
+    assert cfg.drafter.draft_vocab_size is None and cfg.evaluate.compare_vocab_sizes == [64000]
+    assert _compose("experiment=tiny").evaluate.compare_vocab_sizes == []
+
+
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
 def test_every_experiment_composes(experiment):
     cfg = _compose(f"experiment={experiment}")
