@@ -434,7 +434,7 @@ def benchmark(
                            hf_drafter=hf_drafter if hf_assisted else None, hf_args=hf_args)
 
     target_forward_s, cost_ratio, verify_costs, verify_rounds = _measure_costs(
-        target, drafter, prompts, runs, draft_length, notes, verify_costs, forward_costs)
+        target, drafter, prompts, runs, draft_length, notes, verify_costs, forward_costs, progress=progress)
 
     def figures(subset):
         return _speed_figures(subset, draft_length, cost_ratio, greedy, verify_costs, target_engine, target_forward_s)
@@ -508,7 +508,7 @@ def _calibrate_draft_length(target, drafter, prompts, decode_args: dict, *, max_
 
 def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_length: int, notes: list[str],
                    given_verify: Sequence[float] | None, given_forward: tuple[float, float] | None = None,
-                   ) -> tuple[float, float, list[float], list[list[float]] | None]:
+                   progress: bool = False) -> tuple[float, float, list[float], list[list[float]] | None]:
     """The cost model's inputs, timed on the first 3 prompts unless given: ``(one-token target forward in s, c,
     verify costs per length in one-token target forwards (non-decreasing), the raw rounds ``(rounds, lengths)``
     behind them or None when ``given_verify`` was used)``; a verification cost that makes speculation pay little
@@ -525,7 +525,8 @@ def _measure_costs(target, drafter, prompts, runs: list[_PromptRun], draft_lengt
     if given_verify is not None and len(given_verify) >= wanted:
         verify_costs = list(given_verify)
     else:
-        verify_costs, _, rounds = timed_verify_costs(target, calibration_ids, wanted, rounds=VERIFY_ROUNDS)
+        verify_costs, _, rounds = timed_verify_costs(target, calibration_ids, wanted, rounds=VERIFY_ROUNDS,
+                                                     progress=progress)
     slow_verify = verify_costs[min(draft_length, len(verify_costs) - 1)]
     if slow_verify > 2.0:
         notes.append(f"verifying K + 1 = {draft_length + 1} tokens cost {slow_verify:.1f} one-token target forwards on "

@@ -265,13 +265,14 @@ def measure_verify_costs(target, prompts_ids: Sequence[Sequence[int]], max_token
 
 @torch.inference_mode()
 def measure_verify_cost_rounds(target, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
-                               rounds: int = 3) -> list[list[float]]:
+                               rounds: int = 3, progress: bool = False) -> list[list[float]]:
     """Verification costs of each timing round, ``(rounds, max_tokens)``: ``result[r][n - 1]`` = round r's time
     of a cached target forward over n tokens, summed over the prompts, over the same for 1 token.
 
     Each prompt is prefilled once; then each round times every length once on every prompt, in alternating
     order (1..max_tokens, then back), so that a slow spell of the machine falls on all lengths alike; a first
-    round warms every length up and is not counted.
+    round warms every length up and is not counted. ``progress``: a bar that moves after each prefill and each
+    round, never inside a timed forward.
 
     Raises:
         ValueError: no prompts, max_tokens < 1 or rounds < 1.
@@ -279,7 +280,12 @@ def measure_verify_cost_rounds(target, prompts_ids: Sequence[Sequence[int]], max
     if not prompts_ids or max_tokens < 1 or rounds < 1:
         raise ValueError("measure_verify_costs needs a prompt, max_tokens >= 1 and repeats >= 1")
     inputs = [torch.tensor([list(ids)], device=target.device) for ids in prompts_ids]
-    caches = [prefill(target, input_ids) for input_ids in inputs]
+    bar = tqdm(total=len(inputs) + rounds + 1, desc=f"verification costs (1..{max_tokens} tokens): prefill, rounds",
+               unit="step", disable=not progress)
+    caches = []
+    for input_ids in inputs:
+        caches.append(prefill(target, input_ids))
+        bar.update(1)
     lengths = list(range(1, max_tokens + 1))
     result = []
     for r in range(rounds + 1):  # round 0 warms up every length
@@ -295,18 +301,21 @@ def measure_verify_cost_rounds(target, prompts_ids: Sequence[Sequence[int]], max
                 crop(cache, base)
         if r:
             result.append([s / seconds[0] for s in seconds])
+        bar.update(1)
+    bar.close()
     return result
 
 
-def timed_verify_costs(target, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
-                       rounds: int) -> tuple[list[float], list[float], list[list[float]]]:
+def timed_verify_costs(target, prompts_ids: Sequence[Sequence[int]], max_tokens: int, rounds: int,
+                       progress: bool = False) -> tuple[list[float], list[float], list[list[float]]]:
     """The verification costs the cost model uses, for n = 1..max_tokens: ``(non-decreasing costs, their raw
-    medians over the rounds, the rounds)`` (:func:`measure_verify_cost_rounds`, :func:`monotone_verify_costs`).
+    medians over the rounds, the rounds)`` (:func:`measure_verify_cost_rounds`, :func:`monotone_verify_costs`);
+    ``progress``: its bar.
 
     Raises:
         ValueError: as :func:`measure_verify_cost_rounds`.
     """
-    timing_rounds = measure_verify_cost_rounds(target, prompts_ids, max_tokens, rounds=rounds)
+    timing_rounds = measure_verify_cost_rounds(target, prompts_ids, max_tokens, rounds=rounds, progress=progress)
     measured = [statistics.median(r[n] for r in timing_rounds) for n in range(max_tokens)]
     return monotone_verify_costs(measured), measured, timing_rounds
 

@@ -512,7 +512,8 @@ def _choose_draft_length(cfg: Config, ev: _Evaluation, distilled: list, costs: d
     wanted = min(max(MIN_VERIFY_LENGTHS, cfg.decode.draft_length), MAX_SIMULATED_K) + 1
     print(f"evaluate: the target's verification costs (1..{wanted} tokens) and the distilled drafter's exact tau at "
           f"K = 1..{MAX_SIMULATED_K}, to decode at the K they recommend (evaluate.draft_length=recommended)")
-    verify_costs, measured, rounds = timed_verify_costs(ev.target, calibration, wanted, rounds=VERIFY_ROUNDS)
+    verify_costs, measured, rounds = timed_verify_costs(ev.target, calibration, wanted, rounds=VERIFY_ROUNDS,
+                                                       progress=True)
     model_costs = {"cost_ratio": costs["cost_ratios"]["distilled"], "verify_costs": verify_costs,
                    "cost_ratio_rounds": (costs.get("cost_ratio_rounds") or {}).get("distilled"),
                    "verify_cost_rounds": rounds}
@@ -709,6 +710,8 @@ def _reduced_stock_drafters(cfg: Config, stock: str, tokenizer, train_completion
         print(f"evaluate: loading the stock drafter with its head cut to {size:,} tokens", flush=True)
         model, model_tok, _ = load_model(stock, dtype=cfg.drafter.dtype)
         check_tokenizers(tokenizer, model_tok, cfg.target.name, stock)
+        print(f"evaluate: cutting its head to the {size:,} tokens most frequent in the training answers, and "
+              "preparing it to run", flush=True)
         try:
             reduce_for_training(model, size, train_completions, always=eos_token_ids(model, tokenizer))
         except ValueError as err:

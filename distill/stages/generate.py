@@ -33,7 +33,7 @@ import torch
 from datasets import Dataset, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 
-from decode.cpu_linear import use_onednn_linear
+from decode.cpu_linear import onednn_linear_available, use_onednn_linear
 from decode.progress import heartbeat
 from decode.teacher_forcing import batches_by_length
 from distill import parallel
@@ -382,8 +382,11 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     main = parallel.is_main()  # of several launched processes, only the main one writes the run folder
     run = StageRun.start("generate", run_dir, config_yaml) if main else None
     t0 = time.perf_counter()
+    print(f"generate: loading the target {cfg.target.name} ({cfg.target.dtype})", flush=True)
     model, tokenizer, resolved = load_model(cfg.target.name, dtype=cfg.target.dtype)
     model = model.to(process_device())
+    if model.dtype == torch.float32 and model.device.type == "cpu" and onednn_linear_available():
+        print("generate: packing the target's float32 linear layers for oneDNN (decode.cpu_linear)", flush=True)
     use_onednn_linear(model)  # float32 on a CPU: a batch's few rows per step through oneDNN (decode.cpu_linear)
     load_s = time.perf_counter() - t0
     eos_ids = eos_token_ids(model, tokenizer)

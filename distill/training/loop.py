@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
+from tqdm.auto import tqdm
 
 from decode.acceptance import TeacherForced, simulate_greedy
 from decode.metrics import DecodeStats
@@ -250,7 +251,12 @@ def train_drafter(
         # forward leaves the unsharded tail modules holding their bf16 compute copies
         copy_sharded_weights(run.drafter, run.plain)
     if val_examples:
-        after = validate(run.drafter, target, val_examples, **val_args)
+        bar = tqdm(total=1, desc="distill: validating the trained drafter", unit="pass",
+                   disable=not (progress and run.accelerator.is_main_process))
+        with heartbeat(bar, drafter=run.drafter, target=target):  # a silent pass otherwise (25 s on a CPU)
+            after = validate(run.drafter, target, val_examples, **val_args)
+        bar.update(1)
+        bar.close()
         result.update(_prefixed(after, "after"))
         if "simulated_tau" in after:
             result["val_simulated_draft_length"] = validation_draft_length
@@ -392,8 +398,6 @@ class _Sink:
 
     def __init__(self, output_dir: Path, logger: Any, progress: bool, start_step: int, max_steps: int,
                  is_main: bool) -> None:
-        from tqdm.auto import tqdm
-
         self.is_main = is_main
         self.validation_path = output_dir / VALIDATION_FILE
         kept = _keep_steps_up_to(output_dir / METRICS_FILE, start_step, write=is_main, create=True)

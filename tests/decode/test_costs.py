@@ -118,3 +118,14 @@ def test_an_int8_drafter_reads_its_int8_weights(drafter):
     # every linear weight read at one byte an element (packed weights are unpacked one at a time: each counts)
     assert weight_bytes_per_token(int8) >= linear
     assert weight_bytes_per_token(int8) < weight_bytes_per_token(drafter)
+
+
+def test_verify_cost_timing_draws_a_bar_between_rounds_and_none_when_asked_not_to(target, capsys):
+    """Evaluate times these before it picks K (about a minute on a CPU): the bar moves after each prefill and
+    each round, so the user never watches a silent minute."""
+    costs, measured, rounds = decode.costs.timed_verify_costs(target, PROMPTS[:2], 4, rounds=2, progress=True)
+    err = capsys.readouterr().err
+    assert "verification costs (1..4 tokens)" in err and "5/5" in err  # 2 prefills + a warm-up round + 2 rounds
+    assert len(rounds) == 2 and len(measured) == len(costs) == 4 and costs[0] == 1.0
+    decode.costs.timed_verify_costs(target, PROMPTS[:2], 4, rounds=2)
+    assert "verification costs" not in capsys.readouterr().err
