@@ -33,7 +33,7 @@ import torch
 from datasets import Dataset, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 
-from decode.cpu_linear import onednn_linear_available, use_onednn_linear
+from decode.cpu_linear import use_onednn_linear
 from decode.progress import heartbeat
 from decode.teacher_forcing import batches_by_length
 from distill import parallel
@@ -364,6 +364,17 @@ def _merge_shards(shards: list[Path], final: Path) -> Dataset:
     return dataset
 
 
+def _load_target(cfg: Config):
+    """The target on this process's device, its float32 CPU layers through oneDNN (a batch's few rows per step,
+    decode.cpu_linear): ``(model, tokenizer, ResolvedModel, seconds)``; says so first (it takes a while)."""
+    t0 = time.perf_counter()
+    print(f"generate: loading the target {cfg.target.name} ({cfg.target.dtype}) and preparing it to run", flush=True)
+    model, tokenizer, resolved = load_model(cfg.target.name, dtype=cfg.target.dtype)
+    model = model.to(process_device())
+    use_onednn_linear(model)
+    return model, tokenizer, resolved, time.perf_counter() - t0
+
+
 def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     """Run stage 1 into ``run_dir``; returns ``run_dir``.
 
@@ -381,14 +392,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
               f"{cfg.data.max_prompt_tokens} tokens (e.g. {', '.join(too_long[:3])})")
     main = parallel.is_main()  # of several launched processes, only the main one writes the run folder
     run = StageRun.start("generate", run_dir, config_yaml) if main else None
-    t0 = time.perf_counter()
-    print(f"generate: loading the target {cfg.target.name} ({cfg.target.dtype})", flush=True)
-    model, tokenizer, resolved = load_model(cfg.target.name, dtype=cfg.target.dtype)
-    model = model.to(process_device())
-    if model.dtype == torch.float32 and model.device.type == "cpu" and onednn_linear_available():
-        print("generate: packing the target's float32 linear layers for oneDNN (decode.cpu_linear)", flush=True)
-    use_onednn_linear(model)  # float32 on a CPU: a batch's few rows per step through oneDNN (decode.cpu_linear)
-    load_s = time.perf_counter() - t0
+    model, tokenizer, resolved, load_s = _load_target(cfg)
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     vocab = model.get_output_embeddings().out_features

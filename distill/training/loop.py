@@ -251,12 +251,7 @@ def train_drafter(
         # forward leaves the unsharded tail modules holding their bf16 compute copies
         copy_sharded_weights(run.drafter, run.plain)
     if val_examples:
-        bar = tqdm(total=1, desc="distill: validating the trained drafter", unit="pass",
-                   disable=not (progress and run.accelerator.is_main_process))
-        with heartbeat(bar, drafter=run.drafter, target=target):  # a silent pass otherwise (25 s on a CPU)
-            after = validate(run.drafter, target, val_examples, **val_args)
-        bar.update(1)
-        bar.close()
+        after = _validation_after(run, target, val_examples, val_args, progress)
         result.update(_prefixed(after, "after"))
         if "simulated_tau" in after:
             result["val_simulated_draft_length"] = validation_draft_length
@@ -284,6 +279,18 @@ def _validation_before(run: "_TrainingSetup", target, val_examples, val_args: di
     if before is not None and run.start_step == 0:  # "val_loss_before" -> "loss": the curve's step 0
         sink.validation(0, {k[len("val_"):-len("_before")]: v for k, v in before.items()})
     return before, result
+
+
+def _validation_after(run: "_TrainingSetup", target, val_examples, val_args: dict, progress: bool) -> dict:
+    """:func:`validate` on the trained drafter, under a bar of its own that moves inside the pass (the training
+    bar is closed by then)."""
+    bar = tqdm(total=1, desc="distill: validating the trained drafter", unit="pass",
+               disable=not (progress and run.accelerator.is_main_process))
+    with heartbeat(bar, drafter=run.drafter, target=target):
+        after = validate(run.drafter, target, val_examples, **val_args)
+    bar.update(1)
+    bar.close()
+    return after
 
 
 def _train_steps(run: "_TrainingSetup", target, d: DistillConfig, spec: LossSpec, sink: "_Sink",
