@@ -409,6 +409,13 @@ class EvaluateConfig:
                 "(paired tau difference and predicted-speedup ratio) are taken against it"})
     target_engine: str = field(default="hf", metadata={
         "help": "target-alone baseline: hf = transformers generate, loop = our KV-cached loop"})
+    engines: list[str] = field(default_factory=list, metadata={
+        "help": "serving engines also measured on the timed prompts with the distilled and the stock drafter, "
+                "after the torch measurements: vllm (speculative method draft_model), llama_cpp; each speedup "
+                "measured and predicted from the exact tau and the engine's own costs (report.json engines)"})
+    llama_cpp_bin: Optional[str] = field(default=None, metadata={
+        "help": "folder of llama.cpp's llama-completion, llama-speculative-simple and llama-bench (null: "
+                "$LLAMA_CPP_BIN, then PATH)"})
     seed: int = field(default=0, metadata={
         "help": "seed of sampled decoding, the simulations and the bootstrap intervals"})
 
@@ -431,6 +438,7 @@ class EvaluateConfig:
                "must be a prompt file (JSONL or text, as data=file reads) or null for the held-out prompts")
         _check(self.target_engine in ("hf", "loop"), "evaluate.target_engine",
                f"must be hf or loop, got {self.target_engine!r}")
+        _check(len(set(self.engines)) == len(self.engines), "evaluate.engines", f"names an engine twice: {self.engines}")
 
 
 @dataclass
@@ -462,11 +470,11 @@ class ExportConfig:
     dtype: str = field(default="bfloat16", metadata={
         "help": "dtype of the saved weights (auto | float32 | bfloat16 | float16)"})
     gguf: bool = field(default=False, metadata={"help": "also write drafter.gguf (llama.cpp) into the export folder"})
-    gguf_dtype: str = field(default="f16", metadata={"help": "f16 | bf16 | f32 for the GGUF's 2-D weights"})
+    gguf_dtype: str = field(default="f16", metadata={"help": "f16 | bf16 | f32 | q8_0 for the GGUF's 2-D weights"})
 
     def __post_init__(self) -> None:
-        _check(self.gguf_dtype in ("f16", "bf16", "f32"), "export.gguf_dtype",
-               f"must be f16, bf16 or f32, got {self.gguf_dtype!r}")
+        _check(self.gguf_dtype in ("f16", "bf16", "f32", "q8_0"), "export.gguf_dtype",
+               f"must be f16, bf16, f32 or q8_0, got {self.gguf_dtype!r}")
         _check(self.dtype in DTYPES, "export.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
 
 

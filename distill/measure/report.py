@@ -8,6 +8,7 @@ from typing import Any
 
 from distill.files import write_bytes_atomic, write_text_atomic
 from distill.measure.budget import budget_curve_lines, plot_budget_curve
+from distill.measure.engines import engines_table
 from distill.measure.timing_trust import disturbed, disturbed_sentence, speed_verdict
 
 _ROWS = [  # (label, key, format)
@@ -239,7 +240,7 @@ def _against_stock_lines(report: dict[str, Any]) -> list[str]:
 def render_report_markdown(report: dict[str, Any]) -> str:
     """A Markdown page: the before/after table, HF assisted baseline, per-category and per-position figures."""
     sections = (_header, _timed_table, _validation_section, budget_curve_lines, _hf_assisted_section,
-                _draft_length_section, _per_category_section, _per_position_section, _stages_section, _plots_and_notes)
+                _engines_section, _draft_length_section, _per_category_section, _per_position_section, _stages_section, _plots_and_notes)
     return "\n".join(line for section in sections for line in section(report)) + "\n"
 
 
@@ -397,6 +398,16 @@ def _validation_section(report: dict[str, Any]) -> list[str]:
                       f"computed on those {val['stored_top_k']} tokens plus one bucket for the rest, which is an "
                       "**upper bound** of the true value (far above it when k is small)."]
     return lines
+
+
+def _engines_section(report: dict[str, Any]) -> list[str]:
+    """The serving engines (``evaluate.engines``): measured and predicted speedups, per drafter and K."""
+    if not report.get("engines"):
+        return []
+    return ["", f"## Serving engines, on the {report.get('num_prompts')} timed prompts (`evaluate.engines`)", "",
+            "Predicted: the drafter's exact tau at K (every held-out prompt) over the engine's own measured costs "
+            "(its decoding step, the drafter's, its (K+1)-token verification). Tokens/s are one request at a time.",
+            "", *engines_table(report["engines"])]
 
 
 def _hf_assisted_section(report: dict[str, Any]) -> list[str]:

@@ -6,7 +6,7 @@ pre-tokenizer, tokens padded with ``[PAD<id>]`` up to the embedding rows as
 llama.cpp's converter does, merges and special ids through
 ``gguf.SpecialVocab``) and the tensors under llama.cpp's names
 (``gguf.get_tensor_name_map``). Qwen2 keeps its q/k layout (llama.cpp runs
-it with NeoX rope, no permutation). 2-D weights in f16/bf16/f32, norms and
+it with NeoX rope, no permutation). 2-D weights in f16/bf16/f32/q8_0, norms and
 biases in f32, as llama.cpp's converter writes them.
 
 Only the Qwen2 family (draftsmith's shipped pair and its depth-pruned cuts)
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 SUPPORTED = {"qwen2": "qwen2"}  # transformers model_type -> GGUF architecture
-GGUF_DTYPES = ("f16", "bf16", "f32")
+GGUF_DTYPES = ("f16", "bf16", "f32", "q8_0")
 
 
 def _tokens(tokenizer, n_rows: int) -> tuple[list[str], list[int]]:
@@ -56,7 +56,9 @@ def export_gguf(model, tokenizer, tokenizer_dir: Path, out_file: Path, dtype: st
         tokenizer: its tokenizer (a fast tokenizer with ``tokenizer.json``).
         tokenizer_dir: a folder holding the saved tokenizer files (merges, special tokens, chat template).
         out_file: destination ``.gguf`` path.
-        dtype: ``f16`` (default, what llama.cpp drafters usually are), ``bf16`` or ``f32`` for 2-D weights.
+        dtype: ``f16`` (default, what llama.cpp drafters usually are), ``bf16``, ``f32`` or ``q8_0`` (8-bit
+            blocks of 32, as llama.cpp's converter writes with ``--outtype q8_0``; a matrix whose rows are not a
+            multiple of 32 stays f32) for 2-D weights.
         name: ``general.name``.
 
     Returns:
@@ -96,7 +98,7 @@ def export_gguf(model, tokenizer, tokenizer_dir: Path, out_file: Path, dtype: st
     writer.add_rope_freq_base(float(rope_theta))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                          "f32": gguf.LlamaFileType.ALL_F32}[dtype])
+                          "f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
 
     tokens, types = _tokens(tokenizer, n_rows)
     writer.add_tokenizer_model("gpt2")
@@ -115,6 +117,9 @@ def export_gguf(model, tokenizer, tokenizer_dir: Path, out_file: Path, dtype: st
         data = tensor.detach().to(torch.float32).cpu()
         if data.ndim == 2 and dtype == "f16":
             writer.add_tensor(gguf_name, data.numpy().astype(np.float16))
+        elif data.ndim == 2 and dtype == "q8_0" and data.shape[-1] % 32 == 0:  # Q8_0 blocks of 32 along rows
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data.numpy(), q8), raw_dtype=q8)
         elif data.ndim == 2 and dtype == "bf16":
             bits = data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
             writer.add_tensor(gguf_name, bits, raw_shape=bits.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)

@@ -295,6 +295,22 @@ def _check_hash(spec: ShippedModel, what: str, actual: str) -> None:
         )
 
 
+def shipped_gguf(name: str, dest: Path) -> Path | None:
+    """The GGUF a shipped model came as, joined into ``dest`` and its sha256 checked (for llama.cpp, which reads
+    GGUF); None for a model that was not shipped.
+
+    Raises:
+        ModelIntegrityError: the parts do not hash to the pinned sha256 (naming the reinstall command).
+    """
+    spec = SHIPPED.get(str(name).strip().lower())
+    if spec is None:
+        return None
+    parts = shipped_part_paths(spec)
+    actual = _join_and_hash(parts, dest, desc=f"joining {spec.name}")
+    _check_hash(spec, f"{dest.name} joined from {parts[0]}", actual)
+    return dest
+
+
 def shipped_part_paths(spec: ShippedModel) -> list[Path]:
     """Paths of the chunk files of ``spec``, in join order.
 

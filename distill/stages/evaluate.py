@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import os
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from distill.errors import ConfigError, DraftsmithError
 from distill.files import write_json_atomic
 from distill.hardware import hardware, process_device, release_memory
 from distill.measure.budget import budget_curve
+from distill.measure.engines import check_engines, measure_engine
 from distill.measure.report import REPORT_JSON, REPORT_MD, ratio_or_none, write_report_markdown, write_report_plots
 from distill.measure.simulation import (
     Pairing,
@@ -55,7 +57,7 @@ from distill.measure.simulation import (
 )
 from distill.measure.quiet_costs import fallback_costs, remember
 from distill.measure.timing_trust import report_timing
-from distill.models.loading import eos_token_ids, load_model
+from distill.models.loading import eos_token_ids, load_model, resolve_model
 from distill.models.reduced_vocab import (
     draft_vocabulary_of,
     load_drafter,
@@ -298,6 +300,7 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
     gen_dir = require_complete(cfg.inputs.generate, "generate") if cfg.inputs.generate else trained_on
     _, held_out, gen_manifest = load_generated(gen_dir)
     held_out = evaluation_prompts(cfg, held_out, gen_dir)  # a bad evaluate.prompts file fails here, before loading
+    check_engines(cfg.evaluate.engines, cfg.evaluate.llama_cpp_bin)
     run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)}) \
         if parallel.is_main() else None
 
@@ -338,6 +341,9 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
     if not report["timing"]["disturbed"]:
         remember(report["side_by_side_costs"], str(run_dir))
     _add_distill_validation(report, distill_manifest)
+    if cfg.evaluate.engines:
+        report["engines"] = _engine_measurements(cfg, ev, report, distill_dir, run_dir)
+        laps("engines")
     if ev.checkpoints:
         train = distill_manifest.get("train") or {}
         report["budget_curve"] = budget_curve(report, ev.checkpoints, {"step": train.get("steps"),
@@ -349,6 +355,32 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
                  speedup=report.get("speedup"), acceptance_rate=report.get("acceptance_rate"),
                  processes=processes)
     return report_path
+
+
+def _engine_measurements(cfg: Config, ev: "_Evaluation", report: dict[str, Any], distill_dir: Path,
+                         run_dir: Path) -> dict:
+    """``report["engines"]``: the distilled and the stock drafter in each of ``evaluate.engines``, after the torch
+    models are freed (an engine loads its own copies). Only a whole sibling drafter runs in an engine as is."""
+    dtype = str(next(ev.target.parameters()).dtype).removeprefix("torch.")
+    ev.target, ev.runners = None, {}
+    release_memory()
+    if ev.info.get("init") != "sibling" or ev.tuned_vocab_size is not None:
+        reason = "engines run a whole sibling drafter with its full vocabulary; this one is pruned or cut"
+        return {name: {"error": reason} for name in cfg.evaluate.engines}
+    drafters = {"distilled": distill_dir / DRAFTER_DIR, "undistilled": resolve_model(cfg.drafter.name).path}
+    per_k = {"distilled": report["simulated"]["per_k"], "undistilled": report["baseline_drafter"]["simulated"]["per_k"]}
+    prompts = [p[2] for p in ev.timed]
+    out = {}
+    for name in cfg.evaluate.engines:
+        try:
+            out[name] = measure_engine(name, cfg.target.name, ev.target_res.path, drafters, per_k, prompts,
+                                       dtype=dtype, max_new_tokens=cfg.decode.max_new_tokens,
+                                       draft_length=ev.settings["draft_length"], work_dir=run_dir / ".engines",
+                                       llama_cpp_bin=cfg.evaluate.llama_cpp_bin)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # the torch figures stand without it
+            print(f"evaluate: {name} failed, reported as such: {exc}")
+            out[name] = {"error": str(exc)}
+    return out
 
 
 def _take_the_machine() -> None:

@@ -17,7 +17,7 @@ def exported(tmp_path_factory):
     model, tokenizer = tiny_model("target").eval(), tiny_tokenizer()
     tokenizer.save_pretrained(folder)
     files = {dtype: export_gguf(model, tokenizer, folder, folder / f"drafter-{dtype}.gguf", dtype=dtype)
-             for dtype in ("f32", "f16")}
+             for dtype in ("f32", "f16", "q8_0")}
     return model, tokenizer, folder, files
 
 
@@ -53,7 +53,7 @@ def test_metadata_tensors_and_tokenizer_read_back(exported):
     assert list(reversed(q.shape.tolist())) == list(model.model.layers[0].self_attn.q_proj.weight.shape)
 
 
-@pytest.mark.parametrize("dtype, tolerance", [("f32", 1e-5), ("f16", 5e-2)])
+@pytest.mark.parametrize("dtype, tolerance", [("f32", 1e-5), ("f16", 5e-2), ("q8_0", 5e-2)])
 def test_transformers_loads_the_gguf_back(exported, dtype, tolerance):
     model, _, folder, files = exported
     reloaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[dtype].name, dtype=torch.float32).eval()
