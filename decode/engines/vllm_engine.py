@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -89,7 +90,9 @@ def run_instance(job: dict[str, Any], timeout_s: float = 3600, heartbeat_s: floa
                 proc.kill()
                 proc.wait()
         if proc.returncode != 0 or not out_file.is_file():
-            tail = "\n".join(log_file.read_text(errors="replace").strip().splitlines()[-15:])
+            lines = log_file.read_text(errors="replace").strip().splitlines()
+            causes = [line for line in lines if re.search(r"\w+(Error|Exception): ", line)][:3]  # the root cause
+            tail = "\n".join([*causes, "...", *lines[-10:]])
             raise RuntimeError(f"vLLM ({job['kind']}, {job.get('drafter') or job['model']}) failed with exit code "
                                f"{proc.returncode}:\n{tail}")
         return json.loads(out_file.read_text())
