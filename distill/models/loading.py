@@ -279,10 +279,7 @@ def _build_shipped(spec: ShippedModel, cache_dir: Path, out: Path) -> None:
         return
     join_dir = Path(tempfile.mkdtemp(prefix=f".join-{spec.name}-", dir=cache_dir))
     try:
-        joined = join_dir / f"{spec.name}.gguf"
-        actual = _join_and_hash(parts, joined, desc=f"joining {spec.name}")
-        _check_hash(spec, f"{joined.name} joined from {parts[0]} .. {parts[-1].name}", actual)
-        _convert_gguf(joined, out)
+        _convert_gguf(_joined(spec, parts, join_dir / f"{spec.name}.gguf"), out)
     finally:
         shutil.rmtree(join_dir, ignore_errors=True)  # ~1 GB; never leave it behind
 
@@ -303,11 +300,13 @@ def shipped_gguf(name: str, dest: Path) -> Path | None:
         ModelIntegrityError: the parts do not hash to the pinned sha256 (naming the reinstall command).
     """
     spec = SHIPPED.get(str(name).strip().lower())
-    if spec is None:
-        return None
-    parts = shipped_part_paths(spec)
+    return None if spec is None else _joined(spec, shipped_part_paths(spec), dest)
+
+
+def _joined(spec: ShippedModel, parts: list[Path], dest: Path) -> Path:
+    """``parts`` joined in order into ``dest``, its sha256 checked against ``spec``'s."""
     actual = _join_and_hash(parts, dest, desc=f"joining {spec.name}")
-    _check_hash(spec, f"{dest.name} joined from {parts[0]}", actual)
+    _check_hash(spec, f"{dest.name} joined from {parts[0]} .. {parts[-1].name}", actual)
     return dest
 
 

@@ -59,6 +59,7 @@ from distill.measure.quiet_costs import fallback_costs, remember
 from distill.measure.timing_trust import report_timing
 from distill.models.loading import eos_token_ids, load_model, resolve_model
 from distill.models.reduced_vocab import (
+    DRAFT_VOCAB_FILE,
     draft_vocabulary_of,
     load_drafter,
     reduce_for_training,
@@ -301,6 +302,9 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
     _, held_out, gen_manifest = load_generated(gen_dir)
     held_out = evaluation_prompts(cfg, held_out, gen_dir)  # a bad evaluate.prompts file fails here, before loading
     check_engines(cfg.evaluate.engines, cfg.evaluate.llama_cpp_bin)
+    if cfg.evaluate.engines:
+        _check_engine_drafter(json.loads((distill_dir / DRAFTER_DIR / DRAFTER_INFO).read_text()),
+                              reduced=(distill_dir / DRAFTER_DIR / DRAFT_VOCAB_FILE).is_file())
     run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)}) \
         if parallel.is_main() else None
 
@@ -364,11 +368,11 @@ def _engine_measurements(cfg: Config, ev: "_Evaluation", report: dict[str, Any],
     dtype = str(next(ev.target.parameters()).dtype).removeprefix("torch.")
     ev.target, ev.runners = None, {}
     release_memory()
-    if ev.info.get("init") != "sibling" or ev.tuned_vocab_size is not None:
-        reason = "engines run a whole sibling drafter with its full vocabulary; this one is pruned or cut"
-        return {name: {"error": reason} for name in cfg.evaluate.engines}
-    drafters = {"distilled": distill_dir / DRAFTER_DIR, "undistilled": resolve_model(cfg.drafter.name).path}
-    per_k = {"distilled": report["simulated"]["per_k"], "undistilled": report["baseline_drafter"]["simulated"]["per_k"]}
+    drafters = {"distilled": distill_dir / DRAFTER_DIR}
+    per_k = {"distilled": report["simulated"]["per_k"]}
+    stock = (report.get("baseline_drafter") or {}).get("simulated")
+    if stock:  # evaluate.baseline=false measures no stock drafter: the engines run the distilled one alone
+        drafters["undistilled"], per_k["undistilled"] = resolve_model(cfg.drafter.name).path, stock["per_k"]
     prompts = [p[2] for p in ev.timed]
     out = {}
     for name in cfg.evaluate.engines:
@@ -381,6 +385,17 @@ def _engine_measurements(cfg: Config, ev: "_Evaluation", report: dict[str, Any],
             print(f"evaluate: {name} failed, reported as such: {exc}")
             out[name] = {"error": str(exc)}
     return out
+
+
+def _check_engine_drafter(info: dict[str, Any], reduced: bool) -> None:
+    """Raises:
+        ConfigError: ``evaluate.engines`` asked for a drafter an engine cannot load as it is (pruned, or with a
+            reduced vocabulary), before any model loads.
+    """
+    if info.get("init") != "sibling" or reduced or info.get("draft_vocab_size"):
+        raise ConfigError("evaluate.engines runs a whole sibling drafter with its full vocabulary in vLLM and "
+                          f"llama.cpp; this one is {info.get('init')} with draft_vocab_size "
+                          f"{info.get('draft_vocab_size')}: drop evaluate.engines for this run")
 
 
 def _take_the_machine() -> None:

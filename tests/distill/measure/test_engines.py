@@ -59,3 +59,13 @@ def test_an_unknown_or_missing_engine_is_refused_with_what_to_do(monkeypatch):
         check_engines(["vllm"], None)
     check_engines([], None)  # nothing asked, nothing checked
     assert engines.MAX_K >= 5
+
+
+def test_a_drafter_no_engine_loads_as_is_is_refused_before_any_load():
+    from distill.stages.evaluate import _check_engine_drafter
+
+    _check_engine_drafter({"init": "sibling", "draft_vocab_size": None}, reduced=False)
+    for info, reduced in (({"init": "layers"}, False), ({"init": "sibling"}, True),
+                          ({"init": "sibling", "draft_vocab_size": 64000}, False)):
+        with pytest.raises(ConfigError, match="drop evaluate.engines for this run"):
+            _check_engine_drafter(info, reduced=reduced)
