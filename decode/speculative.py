@@ -45,7 +45,8 @@ class SpeculativeOutput:
     stats: DecodeStats
 
 
-def _check_args(input_ids: torch.Tensor, max_new_tokens: int) -> None:
+def check_decode_args(input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    """Raises ValueError unless ``input_ids`` is ``(1, prompt_len >= 1)`` and ``max_new_tokens >= 0``."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must have shape (1, prompt_len >= 1), got {tuple(input_ids.shape)}")
     if max_new_tokens < 0:
@@ -145,7 +146,7 @@ def speculative_generate(
     Raises:
         ValueError: bad shapes or arguments out of range.
     """
-    _check_args(input_ids, max_new_tokens)
+    check_decode_args(input_ids, max_new_tokens)
     if not 0.0 <= confidence_threshold < 1.0:
         raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
     draft_schedule = make_schedule(schedule, draft_length, max_draft_length)
@@ -257,7 +258,7 @@ def target_generate(
     Raises:
         ValueError: bad shapes or arguments out of range.
     """
-    _check_args(input_ids, max_new_tokens)
+    check_decode_args(input_ids, max_new_tokens)
     check_sampling_args(temperature, top_k, top_p)
     stopper = StopStrings(stop_strings, tokenizer)
     device, eos = target.device, set(eos_token_ids)

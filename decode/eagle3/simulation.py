@@ -1,0 +1,140 @@
+"""Exact acceptance of an EAGLE-3 head from one teacher-forced target pass, block by block.
+
+A sibling drafter's j-th draft depends only on the context, so one pass fixes every block
+(``decode.acceptance``). A head's j-th draft also depends on where its block started: from step 2 on it
+reads its own state. So the head's K steps are unrolled at every possible block start
+(``decode.eagle3.unroll``) and the decoder's blocks are replayed over them: a block starting at answer
+position p accepts the leading run of its drafts that equal the answer's tokens. Greedy: exact, equal to
+``eagle3_generate``'s blocks in float32 (up to near-ties between the whole-sequence and the incremental
+forward). Sampling: the expectation along a sampled answer with ``beta = 1 - TV`` per block start and
+step, the same approximation as ``decode.acceptance.expected_sampling_blocks``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from decode.acceptance import BlockTotals
+from decode.eagle3.features import teacher_forced_states
+from decode.eagle3.head import Eagle3Head
+from decode.eagle3.unroll import unroll
+from decode.metrics import DecodeStats
+from decode.sampling import process_logits
+
+
+def _start_entry(prompt_len: int, p: int) -> int:
+    """The head entry whose step-1 output is the first draft of a block starting at answer position p."""
+    return prompt_len + p - 2
+
+
+@torch.inference_mode()
+def head_block_drafts(target, head: Eagle3Head, prompt: Sequence[int], answer: Sequence[int], steps: int,
+                      *, sampling: dict | None = None) -> tuple[list[list[int]], list[list[float]] | None]:
+    """The head's drafts at every block start of ``answer``, and (sampling) their acceptance probabilities.
+
+    Args:
+        target, head: the target and its head, on one device.
+        prompt, answer: token ids; the answer is the target's (greedy, or sampled for ``sampling``).
+        steps: K, the drafts per block start.
+        sampling: ``{"temperature", "top_k", "top_p"}`` to also return ``beta = 1 - TV(target, head)`` of
+            each draft (processed distributions, as the decoder draws them); None for greedy.
+
+    Returns:
+        ``drafts[p][j]``: the target id of the (j+1)-th draft of a block starting at answer position p
+        (``[]`` where the block can have none: a one-token prompt's first block); ``betas[p][j]`` or None.
+    """
+    ids = torch.tensor([list(prompt) + list(answer)], device=target.device)
+    target_logits, states = teacher_forced_states(target, ids, head.config.aux_layers)
+    outputs = unroll(head, target.get_input_embeddings(), ids, states, steps)
+    vocab = head.config.vocab_size
+    full = [head.full_vocab_logits(head.lm_head(normed[0]).float()) for normed in outputs]  # steps x (T, V)
+    drafts, betas = [], [] if sampling else None
+    for p in range(len(answer)):
+        s = _start_entry(len(prompt), p)
+        if s < 0:
+            drafts.append([])
+            if sampling:
+                betas.append([])
+            continue
+        drafts.append([int(full[j][s, :vocab].argmax()) for j in range(steps)])
+        if sampling:
+            betas.append(_betas(target_logits[0], full, s, vocab, sampling))
+    return drafts, betas
+
+
+def _betas(target_logits: torch.Tensor, full: list[torch.Tensor], s: int, vocab: int, sampling: dict
+           ) -> list[float]:
+    """``1 - TV`` of each step at start entry ``s``: step j predicts the token after position ``s + j + 1``."""
+    out = []
+    for j, logits in enumerate(full):
+        position = s + j + 1
+        if position >= target_logits.shape[0]:
+            break
+        target_probs = process_logits(target_logits[position: position + 1, :vocab].float(), **sampling)
+        draft_probs = process_logits(logits[s: s + 1, :vocab], **sampling)
+        out.append(float(torch.minimum(target_probs, draft_probs).sum()))
+    return out
+
+
+def simulate_head_greedy(drafts: Sequence[Sequence[int]], answer: Sequence[int], *, draft_length: int,
+                         max_new_tokens: int) -> DecodeStats:
+    """The blocks greedy ``eagle3_generate`` makes while emitting ``answer`` (the target's greedy answer up to
+    its EOS or ``max_new_tokens``), from ``head_block_drafts``'s drafts.
+
+    Raises:
+        ValueError: an answer longer than ``max_new_tokens`` or drafts shorter than ``draft_length``.
+    """
+    n = len(answer)
+    if n > max_new_tokens:
+        raise ValueError(f"the answer has {n} tokens, more than max_new_tokens={max_new_tokens}")
+    stats, p = DecodeStats(draft_length=draft_length), 0
+    while p < n:
+        block = drafts[p]
+        k = min(draft_length, max_new_tokens - p - 1) if block else 0
+        if len(block) < k:
+            raise ValueError(f"{len(block)} drafts at answer position {p}, K = {k} needs them all")
+        accepted = 0
+        while accepted < k and p + accepted < n and block[accepted] == answer[p + accepted]:
+            accepted += 1
+        accepted = min(accepted, n - p - 1)  # a matched EOS is the block's +1
+        stats.accepted_per_block.append(accepted)
+        stats.drafted_per_block.append(k)
+        p += accepted + 1
+    stats.new_tokens, stats.target_forwards = n, len(stats.accepted_per_block)
+    return stats
+
+
+def expected_head_sampling_blocks(betas: Sequence[Sequence[float]], *, draft_length: int,
+                                  max_new_tokens: int) -> BlockTotals:
+    """E[blocks] and E[drafted] of speculative sampling with the head along an answer of ``len(betas)``
+    tokens, draft j of a block at p accepted with probability ``betas[p][j]`` given the earlier ones
+    (Leviathan et al. 2023, Sec. 3): ``decode.acceptance.expected_sampling_blocks`` with start-dependent
+    betas.
+
+    Raises:
+        ValueError: an answer longer than ``max_new_tokens`` or a beta outside [0, 1].
+    """
+    n = len(betas)
+    if n > max_new_tokens:
+        raise ValueError(f"the answer has {n} tokens, more than max_new_tokens={max_new_tokens}")
+    if any(not 0.0 <= b <= 1.0 + 1e-6 for row in betas for b in row):
+        raise ValueError("betas must lie in [0, 1]")
+    blocks, drafted = [0.0] * (n + 1), [0.0] * (n + 1)
+    for p in range(n - 1, -1, -1):
+        k = min(draft_length, max_new_tokens - p - 1) if betas[p] else 0
+        survive, e_blocks, e_drafted = 1.0, 1.0, float(k)
+        for accepted in range(k + 1):
+            inside = accepted < k and p + accepted < n and accepted < len(betas[p])
+            stop = 1.0 - betas[p][accepted] if inside else 1.0
+            prob, nxt = survive * stop, min(p + accepted + 1, n)
+            e_blocks += prob * blocks[nxt]
+            e_drafted += prob * drafted[nxt]
+            survive *= 1.0 - stop
+            if p + accepted + 1 >= n:
+                e_blocks += survive * blocks[n]
+                e_drafted += survive * drafted[n]
+                break
+        blocks[p], drafted[p] = e_blocks, e_drafted
+    return BlockTotals(tokens=n, blocks=blocks[0], drafted=drafted[0])
