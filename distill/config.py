@@ -61,7 +61,8 @@ class DrafterConfig:
     name: str = field(default="qwen2.5-coder-0.5b-instruct", metadata={
         "help": "base model the drafter starts from (as target.name)"})
     init: str = field(default="sibling", metadata={
-        "help": "sibling: the whole base model; layers: a depth-pruned copy of it"})
+        "help": "sibling: the whole base model; layers: a depth-pruned copy of it; eagle3: an EAGLE-3 head on the "
+                "target's own hidden states (drafter=eagle3; drafter.name is not used)"})
     num_layers: Optional[int] = field(default=None, metadata={"help": "with init=layers: decoder layers kept"})
     layer_selection: str = field(default="first", metadata={
         "help": "with init=layers: first N, or N evenly spaced (first | even)"})
@@ -74,9 +75,20 @@ class DrafterConfig:
     draft_vocab_size: Optional[int] = field(default=None, metadata={
         "help": "EAGLE-3-style reduced vocabulary: the drafter's LM head predicts only the N most frequent tokens of "
                 "the training completions (e.g. 32000); null = the full vocabulary. Decoding stays lossless"})
+    aux_layers: Optional[list[int]] = field(default=None, metadata={
+        "help": "with init=eagle3: the target's decoder layers (0-indexed) whose outputs the head fuses, low to high; "
+                "null = SpecForge's [1, L/2 - 1, L - 4] (1, 13, 24 for a 28-layer target)"})
+    head_init: str = field(default="target", metadata={
+        "help": "with init=eagle3: where the head's layer starts: target (the target's last decoder layer, final "
+                "norm and LM head rows) | random"})
 
     def __post_init__(self) -> None:
-        _check(self.init in ("sibling", "layers"), "drafter.init", f"must be 'sibling' or 'layers', got {self.init!r}")
+        _check(self.init in ("sibling", "layers", "eagle3"), "drafter.init",
+               f"must be 'sibling', 'layers' or 'eagle3', got {self.init!r}")
+        _check(self.head_init in ("target", "random"), "drafter.head_init",
+               f"must be 'target' or 'random', got {self.head_init!r}")
+        _check(self.aux_layers is None or self.init == "eagle3", "drafter.aux_layers",
+               "applies to drafter.init=eagle3 only (drafter=eagle3)")
         _check(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "drafter.draft_vocab_size",
                f"must be >= 1 (e.g. 32000), or null for the full vocabulary; got {self.draft_vocab_size}")
         _check(self.layer_selection in ("first", "even"), "drafter.layer_selection", "must be 'first' or 'even'")
@@ -268,9 +280,13 @@ class DistillConfig:
                 "(run the same command again after a crash); never: start fresh; or a checkpoint-<step> folder"})
     seed: int = field(default=0, metadata={
         "help": "seed of the data order and, in a fresh run, of torch's random numbers (LoRA dropout)"})
+    ttt_steps: int = field(default=3, metadata={
+        "help": "EAGLE-3 head (drafter=eagle3): draft steps trained ahead on the head's own states (training-time "
+                "test; SpecForge uses 7), step j's loss weighted 0.8^j"})
 
     def __post_init__(self) -> None:
         _check(self.loss in LOSSES, "distill.loss", f"must be one of {LOSSES}, got {self.loss!r}")
+        _check(1 <= self.ttt_steps <= 16, "distill.ttt_steps", "must be in 1..16 (e.g. 3)")
         _check(0.0 <= self.jsd_beta <= 1.0, "distill.jsd_beta", "must be in [0, 1]")
         _check(self.temperature > 0, "distill.temperature", "must be > 0")
         _check(self.method in ("lora", "full", "qlora"), "distill.method", "must be 'lora', 'full' or 'qlora'")

@@ -251,6 +251,8 @@ class Eagle3Head(nn.Module):
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
 
+    save_pretrained = save  # the name distill's checkpoints call
+
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
         """The head saved in ``folder`` by ``save``, in eval mode.

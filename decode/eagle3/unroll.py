@@ -71,7 +71,9 @@ def unroll(head: Eagle3Head, embed_tokens, input_ids: torch.Tensor, aux_states: 
     hidden = head.fuse(aux_states)
     keys, values, outputs = [], [], []
     for j in range(steps):
-        step = head.begin_step(embed_tokens(_shifted(input_ids, j + 1)), hidden, positions + j)
+        with torch.no_grad():  # the target's embedding is frozen: no gradient reaches it
+            embeds = embed_tokens(_shifted(input_ids, j + 1))
+        step = head.begin_step(embeds, hidden, positions + j)
         keys.append(step.k)
         values.append(step.v)
         normed, hidden = head.end_step(ttt_attention(step.q, keys, values), step.residual)

@@ -41,6 +41,7 @@ from distill.hardware import bf16_is_fast, resolve_mixed_precision
 from distill.models.loading import ResolvedModel, eos_token_ids, load_model, resolve_model
 from distill.models.reduced_vocab import reduce_for_training, reduce_vocabulary, save_drafter
 from distill.runs import StageRun, resolve_input
+from distill.stages.distill_head import run_head_distill
 from distill.tracking import NullLogger, make_logger, run_name
 from distill.training.loop import train_drafter
 from distill.training.resume import find_finished, hold_lock, named_checkpoint, prepare_resume, resume_key
@@ -134,6 +135,8 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
         return finished
     inputs = {"generate": str(gen_dir), **({"extra_generate": [str(p) for p in extra_dirs]} if extra_dirs else {})}
     run = StageRun.start("distill", run_dir, config_yaml, inputs=inputs) if main else None
+    if cfg.drafter.init == "eagle3":  # a head on the target's states: its own build and loop, one process
+        return run_head_distill(cfg, run, target_res, train_examples, val_examples, key, mixed_precision)
 
     target, target_tok, target_res, drafter, drafter_tok, base_res, lora, load_s = _load_for_training(
         cfg, target_res, target_tok)
