@@ -69,6 +69,14 @@ class TeacherForced:
         """``m[t]``: the drafter's argmax equals the target's token at answer position t."""
         return [d == a for d, a in zip(self.draft_tokens, self.answer)]
 
+    def greedy_blocks(self, **settings) -> DecodeStats:
+        """The greedy decoder's blocks on this prompt (:func:`simulate_greedy`'s keyword arguments)."""
+        return simulate_greedy(self, **settings)
+
+    def sampling_blocks(self, *, draft_length: int, max_new_tokens: int) -> BlockTotals:
+        """Speculative sampling's expected totals along this answer (:func:`expected_sampling_blocks`)."""
+        return expected_sampling_blocks(self.betas, draft_length=draft_length, max_new_tokens=max_new_tokens)
+
 
 def _ends_with_eos(answer: Sequence[int], eos_token_ids: Sequence[int]) -> bool:
     return bool(answer) and answer[-1] in set(eos_token_ids)
@@ -422,13 +430,12 @@ def simulate(samples: Sequence[TeacherForced], settings: SimulationSettings, *, 
     if settings.sampling:
         if schedule != "constant" or settings.confidence_threshold > 0 or lookup_ngram is not None:
             raise ValueError("speculative sampling is simulated for a constant K and model drafters only")
-        return [expected_sampling_blocks(s.betas, draft_length=k, max_new_tokens=settings.max_new_tokens)
-                for s in samples]
+        return [s.sampling_blocks(draft_length=k, max_new_tokens=settings.max_new_tokens) for s in samples]
     if lookup_ngram is not None:
         return [simulate_prompt_lookup(s.prompt, s.answer, draft_length=k, max_new_tokens=settings.max_new_tokens,
                                        max_ngram=lookup_ngram, schedule=schedule,
                                        max_draft_length=settings.max_draft_length) for s in samples]
-    return [simulate_greedy(s, draft_length=k, max_new_tokens=settings.max_new_tokens, schedule=schedule,
+    return [s.greedy_blocks(draft_length=k, max_new_tokens=settings.max_new_tokens, schedule=schedule,
                             max_draft_length=settings.max_draft_length,
                             confidence_threshold=settings.confidence_threshold) for s in samples]
 

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from decode.eagle3.features import forward_with_states
-from decode.eagle3.head import Eagle3Head, HeadCache
+from decode.eagle3.head import Eagle3Head
 from decode.metrics import DecodeStats
 from decode.model_calls import crop, sync, vocab_size_of
 from decode.sampling import check_sampling_args, greedy_accept, process_logits, speculative_accept
@@ -37,7 +37,7 @@ class HeadDrafter:
 
     def __init__(self, head: Eagle3Head, embed_tokens):
         self.head, self.embed_tokens = head, embed_tokens
-        self.cache = HeadCache()
+        self.cache = DynamicCache()
         self.pending: torch.Tensor | None = None  # (n, 3 * hidden) target states of entries len(cache)..
 
     def add_states(self, states: torch.Tensor) -> None:
@@ -48,10 +48,10 @@ class HeadDrafter:
               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Up to ``k`` draft target ids ``(k,)`` after ``seq`` and (sampling) the ``(1, vocab)``
         distribution each was drawn from; none while no target state is known (a one-token prompt)."""
-        device = self.head.lm_head.weight.device
+        device = self.head.device
         if k == 0 or self.pending is None:
             return torch.zeros(0, dtype=torch.long, device=device), []
-        first = len(self.cache)
+        first = self.cache.get_seq_length()
         count = self.pending.shape[0]
         tokens = torch.tensor([seq[first + 1: first + 1 + count]], device=device)
         positions = torch.arange(first, first + count, device=device).unsqueeze(0)
@@ -71,7 +71,7 @@ class HeadDrafter:
 
     def end_block(self, seq_length_before: int) -> None:
         """Drop the block's draft entries: keep the entries built from target states (``0..L - 2``)."""
-        self.cache.crop(seq_length_before - 1)
+        crop(self.cache, seq_length_before - 1)
 
 
 @torch.inference_mode()

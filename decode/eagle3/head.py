@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 CONFIG_FILE = "eagle3_head.json"
@@ -195,7 +195,7 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, aux_states: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux states ``(batch, n, 3 * hidden)`` -> ``g`` ``(batch, n, hidden)``."""
-        return self.fc(aux_states.to(self.fc.weight.dtype))
+        return self.fc(aux_states.to(self.norm.weight.dtype))  # norms stay float in an int8 head
 
     def begin_step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> StepInput:
         """Token embeddings and states ``(batch, n, hidden)`` at ``positions`` ``(batch, n)`` -> the step's
@@ -217,13 +217,17 @@ class Eagle3Head(nn.Module):
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden), hidden
 
+    @property
+    def device(self) -> torch.device:
+        return self.draft_to_target.device  # a buffer: an int8 layer's weight is a method
+
     def cached_step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                    cache: HeadCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoding step over ``n`` new entries ``(1, n, hidden)`` that attend to ``cache`` and causally
-        to each other; their keys are appended to ``cache``. Returns draft logits ``(1, n, N)`` and the
-        states ``(1, n, hidden)``."""
+                    cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoding step over ``n`` new entries ``(1, n, hidden)`` that attend to ``cache`` (a transformers
+        ``DynamicCache`` of one layer, cropped like a target's) and causally to each other; their keys are
+        appended to it. Returns draft logits ``(1, n, N)`` and the states ``(1, n, hidden)``."""
         step = self.begin_step(embeds, hidden, positions)
-        keys, values = cache.append(step.k, step.v)
+        keys, values = cache.update(step.k, step.v, 0)
         past = keys.shape[2] - step.q.shape[2]
         mask = torch.ones(step.q.shape[2], keys.shape[2], dtype=torch.bool, device=keys.device).tril(past)
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
@@ -273,25 +277,3 @@ class Eagle3Head(nn.Module):
 def is_eagle3_folder(path: str | Path) -> bool:
     """Whether ``path`` is a folder holding a saved EAGLE-3 head."""
     return (Path(path) / CONFIG_FILE).is_file()
-
-
-class HeadCache:
-    """The head's keys and values in decoding ``(1, kv_heads, T, head_dim)``; cropped like a KV cache."""
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add ``(1, kv_heads, n, head_dim)`` keys and values; returns the whole cache."""
-        self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=2)
-        self.values = values if self.values is None else torch.cat([self.values, values], dim=2)
-        return self.keys, self.values
-
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` entries."""
-        if self.keys is not None and self.keys.shape[2] > length:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]

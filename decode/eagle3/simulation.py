@@ -13,10 +13,12 @@ step, the same approximation as ``decode.acceptance.expected_sampling_blocks``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from decode.acceptance import BlockTotals
+from decode.acceptance import MAX_SIMULATED_K, BlockTotals, TeacherForced
+from decode.draft_length import make_schedule
 from decode.eagle3.features import teacher_forced_states
 from decode.eagle3.head import Eagle3Head
 from decode.eagle3.unroll import unroll
@@ -79,31 +81,75 @@ def _betas(target_logits: torch.Tensor, full: list[torch.Tensor], s: int, vocab:
 
 
 def simulate_head_greedy(drafts: Sequence[Sequence[int]], answer: Sequence[int], *, draft_length: int,
-                         max_new_tokens: int) -> DecodeStats:
+                         max_new_tokens: int, schedule: str = "constant",
+                         max_draft_length: int | None = None) -> DecodeStats:
     """The blocks greedy ``eagle3_generate`` makes while emitting ``answer`` (the target's greedy answer up to
-    its EOS or ``max_new_tokens``), from ``head_block_drafts``'s drafts.
+    its EOS or ``max_new_tokens``), from ``head_block_drafts``'s drafts. A ``heuristic`` schedule
+    (``decode.draft_length``) is replayed with K capped at the steps unrolled.
 
     Raises:
-        ValueError: an answer longer than ``max_new_tokens`` or drafts shorter than ``draft_length``.
+        ValueError: an answer longer than ``max_new_tokens``, drafts shorter than a constant ``draft_length``,
+            or a schedule error.
     """
     n = len(answer)
     if n > max_new_tokens:
         raise ValueError(f"the answer has {n} tokens, more than max_new_tokens={max_new_tokens}")
+    plan = make_schedule(schedule, draft_length, max_draft_length)
     stats, p = DecodeStats(draft_length=draft_length), 0
     while p < n:
         block = drafts[p]
-        k = min(draft_length, max_new_tokens - p - 1) if block else 0
+        k = min(plan.next_length(), max_new_tokens - p - 1) if block else 0
         if len(block) < k:
-            raise ValueError(f"{len(block)} drafts at answer position {p}, K = {k} needs them all")
+            if schedule == "constant":
+                raise ValueError(f"{len(block)} drafts at answer position {p}, K = {k} needs them all")
+            k = len(block)
         accepted = 0
         while accepted < k and p + accepted < n and block[accepted] == answer[p + accepted]:
             accepted += 1
+        plan.update(k, accepted)
         accepted = min(accepted, n - p - 1)  # a matched EOS is the block's +1
         stats.accepted_per_block.append(accepted)
         stats.drafted_per_block.append(k)
         p += accepted + 1
     stats.new_tokens, stats.target_forwards = n, len(stats.accepted_per_block)
     return stats
+
+
+@dataclass
+class HeadTeacherForced(TeacherForced):
+    """``decode.acceptance.TeacherForced`` for a head: its drafts per block start, so that every figure of
+    ``decode.acceptance`` (``simulate``, ``simulated_section``, pairing) replays the head's blocks.
+
+    Attributes:
+        drafts_by_start: ``drafts[p][j]`` (``head_block_drafts``); ``draft_tokens`` holds the first drafts.
+        betas_by_start: ``betas[p][j]`` for sampling, else None.
+    """
+
+    drafts_by_start: list[list[int]] = field(default_factory=list)
+    betas_by_start: list[list[float]] | None = None
+
+    def greedy_blocks(self, *, draft_length: int, max_new_tokens: int, schedule: str = "constant",
+                      max_draft_length: int | None = None, confidence_threshold: float = 0.0) -> DecodeStats:
+        if confidence_threshold > 0:
+            raise ValueError("a confidence threshold is not simulated for an EAGLE-3 head (eagle3_generate has none)")
+        return simulate_head_greedy(self.drafts_by_start, self.answer, draft_length=draft_length,
+                                    max_new_tokens=max_new_tokens, schedule=schedule,
+                                    max_draft_length=max_draft_length)
+
+    def sampling_blocks(self, *, draft_length: int, max_new_tokens: int) -> BlockTotals:
+        return expected_head_sampling_blocks(self.betas_by_start, draft_length=draft_length,
+                                             max_new_tokens=max_new_tokens)
+
+
+def head_teacher_forced(target, head: Eagle3Head, prompt_id: str, category: str, prompt: Sequence[int],
+                        answer: Sequence[int], steps: int = MAX_SIMULATED_K,
+                        sampling: dict | None = None) -> HeadTeacherForced:
+    """One prompt's :class:`HeadTeacherForced` from ``head_block_drafts`` (``steps`` drafts per block start)."""
+    drafts, betas = head_block_drafts(target, head, prompt, answer, steps, sampling=sampling)
+    return HeadTeacherForced(prompt_id, category, list(prompt), list(answer),
+                             draft_tokens=[d[0] if d else -1 for d in drafts],
+                             betas=[b[0] if b else 0.0 for b in betas] if betas is not None else None,
+                             drafts_by_start=drafts, betas_by_start=betas)
 
 
 def expected_head_sampling_blocks(betas: Sequence[Sequence[float]], *, draft_length: int,

@@ -38,6 +38,7 @@ from distill.files import write_json_atomic
 from distill.hardware import hardware, process_device, release_memory
 from distill.measure.budget import budget_curve
 from distill.measure.engines import check_engines, measure_engine
+from distill.measure.head_evaluation import is_head_run, run_head_evaluate
 from distill.measure.report import REPORT_JSON, REPORT_MD, ratio_or_none, write_report_markdown, write_report_plots
 from distill.measure.simulation import (
     Pairing,
@@ -307,6 +308,8 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
                               reduced=(distill_dir / DRAFTER_DIR / DRAFT_VOCAB_FILE).is_file())
     run = StageRun.start("evaluate", run_dir, config_yaml, inputs={"distill": str(distill_dir), "generate": str(gen_dir)}) \
         if parallel.is_main() else None
+    if is_head_run(distill_dir):  # an EAGLE-3 head: its own measurements beside the stock drafter, one process
+        return run_head_evaluate(cfg, run, distill_dir, held_out, gen_dir) if run is not None else None
 
     laps = _Laps()
     ev = _load_evaluation(cfg, distill_dir, held_out, trained_on)

@@ -83,7 +83,7 @@ def head_loss(head: Eagle3Head, target, batch: dict, *, steps: int, kind: str = 
         target_draft = keep_logits.index_select(-1, draft_ids)  # (N, D): renormalised by the loss's softmax
         target_best = keep_logits.argmax(-1)
         del keep_logits
-    outputs = unroll(head, target.get_input_embeddings(), input_ids, states.to(head.fc.weight.dtype), steps)
+    outputs = unroll(head, target.get_input_embeddings(), input_ids, states.to(head.norm.weight.dtype), steps)
     loss, agree, counted = 0.0, [], []
     for j, normed in enumerate(outputs):
         step_rows = _shift_left(rows, j + 1, -1)
@@ -259,7 +259,7 @@ def validate_head(head: Eagle3Head, target, examples: Sequence[dict], *, steps: 
     was_training = head.training
     head.eval()
     loss_sum, agree, counted, tokens = 0.0, [0.0] * steps, [0] * steps, 0
-    device = head.fc.weight.device
+    device = head.device
     try:
         for start in range(0, len(examples), batch_size):
             batch = {k: v.to(device) for k, v in collate(examples[start:start + batch_size], pad_token_id=pad_token_id,

@@ -172,3 +172,22 @@ def test_save_and_load_round_trip(target, head, tmp_path):
                             eos_token_ids=[])
         assert a.new_tokens.tolist() == b.new_tokens.tolist()
         assert a.stats.accepted_per_block == b.stats.accepted_per_block
+
+
+def test_report_sections_replay_the_head(target, head):
+    """decode.acceptance's simulated_section on HeadTeacherForced samples gives the decoder's tau at K."""
+    from decode.acceptance import SimulationSettings, simulated_section
+    from decode.eagle3.simulation import head_teacher_forced
+
+    samples, decoded = [], []
+    for i, prompt in enumerate(PROMPTS):
+        out = eagle3_generate(target, head, torch.tensor([prompt]), draft_length=3, max_new_tokens=30,
+                              eos_token_ids=[])
+        decoded.append(out.stats)
+        samples.append(head_teacher_forced(target, head, str(i), "c", prompt, out.new_tokens.tolist(), steps=8))
+    section, _ = simulated_section(samples, SimulationSettings(draft_length=3, max_new_tokens=30), max_k=8,
+                                   cost_ratio=0.1, verify_costs=[1.0] * 9)
+    blocks = sum(len(s.accepted_per_block) for s in decoded)
+    assert section["mean_accepted_tokens"] == pytest.approx(90 / blocks)
+    assert section["per_k"]["3"]["mean_accepted_tokens"] == pytest.approx(90 / blocks)
+    assert 1 <= section["recommended_draft_length"] <= 8 and "heuristic" in section
