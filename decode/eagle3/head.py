@@ -47,7 +47,8 @@ def default_aux_layers(num_layers: int) -> list[int]:
     """
     if num_layers < 1:
         raise ValueError(f"a target needs at least 1 decoder layer, got {num_layers}")
-    return [min(1, num_layers - 1), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)]
+    # ascending, as vLLM concatenates them (repeats only for targets of fewer than 5 layers)
+    return sorted([min(1, num_layers - 1), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)])
 
 
 @dataclass
@@ -87,6 +88,9 @@ class Eagle3Config:
         """
         text = target_config.get_text_config()
         layers = list(aux_layers) if aux_layers else default_aux_layers(text.num_hidden_layers)
+        if layers != sorted(layers):
+            raise ValueError(f"aux layers {layers} must be ascending (low, middle, high: the order vLLM concatenates "
+                             f"them in); set drafter.aux_layers")
         if any(not 0 <= i < text.num_hidden_layers for i in layers):
             raise ValueError(f"aux layers {layers} must lie in 0..{text.num_hidden_layers - 1} "
                              f"(the target's decoder layers); set drafter.aux_layers")

@@ -62,7 +62,8 @@ def run_instance(job: dict[str, Any], timeout_s: float = 3600, heartbeat_s: floa
 
     Args:
         job: ``{"kind": "plain" | "speculative", "model", "dtype", "prompts": [[token id]], "max_new_tokens",
-            "costs": bool, "verify_tokens": [n], "drafter"?: path, "draft_length"?: K}``.
+            "costs": bool, "verify_tokens": [n], "drafter"?: path, "draft_length"?: K, "method"?: vLLM's speculative
+            method, ``draft_model`` (a sibling drafter's folder) or ``eagle3`` (a head's speculators folder)}``.
         timeout_s: seconds before the process is killed.
         heartbeat_s: seconds between two progress lines.
 
@@ -108,7 +109,8 @@ def _engine(job: dict[str, Any]):
 
     spec = None
     if job["kind"] == "speculative":
-        spec = {"method": "draft_model", "model": job["drafter"], "num_speculative_tokens": job["draft_length"]}
+        spec = {"method": job.get("method", "draft_model"), "model": job["drafter"],
+                "num_speculative_tokens": job["draft_length"]}
     longest = max(map(len, job["prompts"])) + job["max_new_tokens"] + 64
     return LLM(model=job["model"], dtype=job["dtype"], speculative_config=spec, disable_log_stats=False,
                max_model_len=max(longest, 512), max_num_seqs=1, seed=0, enable_prefix_caching=True)

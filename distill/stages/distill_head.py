@@ -39,9 +39,8 @@ def run_head_distill(cfg: Config, run: StageRun, target_res: ResolvedModel, trai
         DraftsmithError: the loss became NaN/inf, or a checkpoint from other data.
     """
     d, run_dir = cfg.distill, run.path
-    if d.target_source == "stored" or d.method != "full":
-        print(f"distill: an EAGLE-3 head reads the target's hidden states, so the target runs online and the whole "
-              f"head trains (distill.target_source={d.target_source} and distill.method={d.method} do not apply)")
+    if d.method != "full":
+        print(f"distill: the whole EAGLE-3 head trains (distill.method={d.method} does not apply to it)")
     target, target_tok, target_res = load_model(target_res, dtype=cfg.target.dtype)
     eos = eos_token_ids(target, target_tok)
     head = initial_head(target, [ex["completion_ids"] for ex in train_examples],

@@ -272,6 +272,8 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             f"set target.name={info.get('target_name')} (the model card names the target) or export a drafter "
             f"distilled for this target")
     dtype = getattr(torch, cfg.export.dtype)
+    if info.get("kind") == "eagle3":
+        return _export_head(cfg, run, src, dest, info, report)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(src)
 
@@ -312,3 +314,47 @@ def run_export(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     run.complete(export=str(dest), format="huggingface" + (" + gguf" if cfg.export.gguf else ""),
                  dtype=cfg.export.dtype, gguf=str(dest / GGUF_FILE) if cfg.export.gguf else None, drafter=info)
     return dest
+
+
+def _export_head(cfg: Config, run: StageRun, src: Path, dest: Path, info: dict[str, Any],
+                 report: dict[str, Any] | None) -> Path:
+    """An EAGLE-3 head: the speculators folder vLLM's ``eagle3`` method loads (``distill.models.eagle3_export``),
+    draftsmith's own head files beside it, the tokenizer and a model card."""
+    from decode.eagle3.head import Eagle3Head
+    from distill.models.eagle3_export import export_head
+
+    if cfg.export.gguf:
+        raise DraftsmithError("export.gguf=true: llama.cpp's EAGLE-3 heads are converted by its own script from a "
+                              "speculators folder; export without export.gguf and convert the folder written here")
+    head = Eagle3Head.load(src)
+    simulated = ((report or {}).get("drafters") or {}).get("eagle3", {}).get("simulated") or {}
+    draft_length = simulated.get("recommended_draft_length") or cfg.decode.draft_length
+    with atomic_dir(dest, replace=True) as tmp:
+        export_head(head, tmp, target_name=info.get("target_name", cfg.target.name), draft_length=draft_length,
+                    dtype=getattr(torch, cfg.export.dtype))
+        head.save(tmp)
+        AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
+        write_text_atomic(tmp / DRAFTER_INFO, json.dumps(info, indent=2) + "\n")
+        write_text_atomic(tmp / "README.md", _head_card(info, simulated, draft_length))
+        if not all(torch.equal(a, b) for a, b in zip(Eagle3Head.load(tmp).state_dict().values(),
+                                                     head.state_dict().values())):
+            raise DraftsmithError(f"the exported head in {tmp} does not reproduce the trained one")
+    run.complete(export=str(dest), format="speculators eagle3 (vLLM)", dtype=cfg.export.dtype, gguf=None, drafter=info)
+    print(f"export: the EAGLE-3 head in {dest} (vLLM: speculative_config={{'method': 'eagle3', 'model': '{dest}', "
+          f"'num_speculative_tokens': {draft_length}}})")
+    return dest
+
+
+def _head_card(info: dict[str, Any], simulated: dict[str, Any], draft_length: int) -> str:
+    """The head's model card: what it is, for which target, and its measured acceptance if evaluated."""
+    lines = [f"# EAGLE-3 head for {info.get('target_name')}", "",
+             f"Trained by draftsmith: aux layers {info.get('aux_layers')}, draft vocabulary "
+             f"{info.get('draft_vocab_size')}, {info.get('ttt_steps')} training-time-test steps, started from "
+             f"{info.get('head_init')}.", "",
+             f"vLLM: `speculative_config={{\"method\": \"eagle3\", \"model\": \"<this folder>\", "
+             f"\"num_speculative_tokens\": {draft_length}}}`."]
+    if simulated:
+        lines += ["", f"Measured by draftsmith evaluate on {simulated.get('num_prompts')} held-out prompts (exact, "
+                  f"greedy, K = {simulated.get('draft_length')}): acceptance {simulated.get('acceptance_rate'):.3f}, "
+                  f"tau {simulated.get('mean_accepted_tokens'):.2f}."]
+    return "\n".join(lines) + "\n"

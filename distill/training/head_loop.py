@@ -29,7 +29,7 @@ from transformers import get_scheduler
 
 from decode.eagle3.features import aux_states_of
 from decode.eagle3.head import WEIGHTS_FILE, Eagle3Head
-from decode.eagle3.simulation import head_block_drafts, simulate_head_greedy
+from decode.eagle3.simulation import simulate_head_greedy
 from decode.eagle3.unroll import unroll
 from decode.metrics import DecodeStats
 from distill.config import DistillConfig
@@ -58,21 +58,40 @@ def _shift_left(x: torch.Tensor, shift: int, fill) -> torch.Tensor:
     return out
 
 
+@dataclass
+class HeadLoss:
+    """One batch's training-time-test loss and figures.
+
+    Attributes:
+        loss: ``sum_j 0.8**j * mean divergence of step j`` (0-dim, with graph when grad is on).
+        agree: per step, the positions where the head's argmax is the target's.
+        counted: per step, the positions it predicts.
+        drafts: with ``draft_steps``: ``(batch, T, draft_steps)`` target ids of the head's drafts at every entry
+            (``decode.eagle3.simulation``'s ``drafts`` by block start), else None.
+    """
+
+    loss: torch.Tensor
+    agree: list[float]
+    counted: list[int]
+    drafts: torch.Tensor | None = None
+
+
 def head_loss(head: Eagle3Head, target, batch: dict, *, steps: int, kind: str = "fkl", jsd_beta: float = 0.5,
-              temperature: float = 1.0) -> tuple[torch.Tensor, list[float], list[int]]:
+              temperature: float = 1.0, draft_steps: int = 0) -> HeadLoss:
     """The weighted training-time-test loss of one batch.
 
     Args:
         head: the head being trained; target: its target (frozen).
         batch: ``distill.training.loop.collate``'s ``input_ids``, ``attention_mask``, ``loss_mask`` ``(batch, T)``
             (``loss_mask[t]``: the token after t is an answer token).
-        steps: draft steps per entry (``distill.ttt_steps``).
+        steps: draft steps per entry (``distill.ttt_steps``) in the loss.
         kind, jsd_beta, temperature: the divergence (``distill.training.losses.distillation_loss``).
+        draft_steps: also return the head's first ``draft_steps`` drafts at every entry (validation: the exact
+            simulation from the same target pass).
 
     Returns:
-        ``(sum_j 0.8**j * mean divergence of step j (0-dim, with graph), per-step count of positions where
-        the head's argmax is the target's, per-step positions)``. Step j at entry s predicts the token after
-        position ``s + j + 1`` and counts where ``loss_mask[s + j + 1]``.
+        :class:`HeadLoss`. Step j at entry s predicts the token after position ``s + j + 1`` and counts where
+        ``loss_mask[s + j + 1]``.
     """
     input_ids, mask = batch["input_ids"], batch["loss_mask"]
     with torch.no_grad():
@@ -83,25 +102,28 @@ def head_loss(head: Eagle3Head, target, batch: dict, *, steps: int, kind: str = 
         target_draft = keep_logits.index_select(-1, draft_ids)  # (N, D): renormalised by the loss's softmax
         target_best = keep_logits.argmax(-1)
         del keep_logits
-    outputs = unroll(head, target.get_input_embeddings(), input_ids, states.to(head.norm.weight.dtype), steps)
-    loss, agree, counted = 0.0, [], []
-    for j, normed in enumerate(outputs):
+    outputs = unroll(head, target.get_input_embeddings(), input_ids, states.to(head.norm.weight.dtype),
+                     max(steps, draft_steps))
+    result = HeadLoss(sum(p.sum() for p in head.parameters()) * 0.0, [], [])
+    for j, normed in enumerate(outputs[:steps]):
         step_rows = _shift_left(rows, j + 1, -1)
         used = step_rows >= 0
-        counted.append(int(used.sum()))
-        if not counted[-1]:
-            agree.append(0.0)
+        result.counted.append(int(used.sum()))
+        if not result.counted[-1]:
+            result.agree.append(0.0)
             continue
         student = head.lm_head(normed[used])  # (M, D)
         teacher = target_draft[step_rows[used]].to(student.device)
         ones = torch.ones(1, student.shape[0], dtype=torch.bool, device=student.device)
-        loss = loss + STEP_WEIGHT ** j * distillation_loss(student[None], teacher[None], ones, kind=kind,
-                                                           jsd_beta=jsd_beta, temperature=temperature)
+        result.loss = result.loss + STEP_WEIGHT ** j * distillation_loss(
+            student[None], teacher[None], ones, kind=kind, jsd_beta=jsd_beta, temperature=temperature)
         with torch.no_grad():
-            agree.append(float((draft_ids[student.argmax(-1)] == target_best[step_rows[used]]).sum()))
-    if not torch.is_tensor(loss):
-        loss = sum(p.sum() for p in head.parameters()) * 0.0
-    return loss, agree, counted
+            result.agree.append(float((draft_ids[student.argmax(-1)] == target_best[step_rows[used]]).sum()))
+    if draft_steps:
+        with torch.no_grad():
+            result.drafts = torch.stack([draft_ids[head.lm_head(normed).argmax(-1)]
+                                         for normed in outputs[:draft_steps]], dim=-1)
+    return result
 
 
 def _target_pass(target, batch: dict, aux_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,8 +248,9 @@ def _head_step(run: _HeadRun, target, examples, stream, step: int, d: DistillCon
         batch = {k: v.to(run.accelerator.device) for k, v in
                  collate(chosen, pad_token_id=pad_token_id, max_seq_len=d.max_seq_len).items()}
         with autocast:
-            loss, step_agree, step_counted = head_loss(head, target, batch, steps=d.ttt_steps, kind=d.loss,
-                                                       jsd_beta=d.jsd_beta, temperature=d.temperature)
+            result = head_loss(head, target, batch, steps=d.ttt_steps, kind=d.loss, jsd_beta=d.jsd_beta,
+                               temperature=d.temperature)
+        loss, step_agree, step_counted = result.loss, result.agree, result.counted
         if not torch.isfinite(loss):
             raise DraftsmithError(f"the head's loss became {loss.item()} at step {step}: lower distill.lr")
         (loss / d.grad_accum).backward()
@@ -249,45 +272,62 @@ def _head_step(run: _HeadRun, target, examples, stream, step: int, d: DistillCon
 
 @torch.no_grad()
 def validate_head(head: Eagle3Head, target, examples: Sequence[dict], *, steps: int, draft_length: int,
-                  pad_token_id: int, max_seq_len: int, batch_size: int, kind: str = "fkl") -> dict[str, float]:
-    """Held-out loss and per-step top-1 agreement, and (``draft_length`` > 0, greedy answers) the exact tau and
-    acceptance rate of greedy decoding at K = ``draft_length`` (``decode.eagle3.simulation``).
+                  pad_token_id: int, max_seq_len: int, batch_size: int, kind: str = "fkl",
+                  progress: bool = True) -> dict[str, float]:
+    """Held-out loss and per-step top-1 agreement and, with ``draft_length`` > 0, the tau and acceptance rate
+    greedy decoding at K = ``draft_length`` gets on the examples' answers (``decode.eagle3.simulation``'s
+    replay, from the same target pass as the loss: exact where the answers are the target's greedy ones, a
+    teacher-forced proxy on answers the target scored).
 
     Returns:
         ``{"loss", "step<j>_agreement", "tokens", "examples"}`` plus ``simulated_tau``, ``simulated_acceptance``.
     """
+    from tqdm.auto import tqdm
+
     was_training = head.training
     head.eval()
-    loss_sum, agree, counted, tokens = 0.0, [0.0] * steps, [0] * steps, 0
+    loss_sum, agree, counted, tokens, blocks = 0.0, [0.0] * steps, [0] * steps, 0, []
     device = head.device
     try:
-        for start in range(0, len(examples), batch_size):
-            batch = {k: v.to(device) for k, v in collate(examples[start:start + batch_size], pad_token_id=pad_token_id,
+        for start in tqdm(range(0, len(examples), batch_size), desc="validation", unit="batch", leave=False,
+                          disable=not progress):
+            chosen = examples[start:start + batch_size]
+            batch = {k: v.to(device) for k, v in collate(chosen, pad_token_id=pad_token_id,
                                                          max_seq_len=max_seq_len).items()}
-            loss, step_agree, step_counted = head_loss(head, target, batch, steps=steps, kind=kind)
+            result = head_loss(head, target, batch, steps=steps, kind=kind, draft_steps=draft_length)
             n = int(batch["loss_mask"].sum())
-            loss_sum += loss.item() * n
+            loss_sum += result.loss.item() * n
             tokens += n
-            agree = [a + b for a, b in zip(agree, step_agree)]
-            counted = [a + b for a, b in zip(counted, step_counted)]
-        figures = {"loss": loss_sum / max(tokens, 1), "tokens": tokens, "examples": len(examples)}
-        figures.update({f"step{j + 1}_agreement": a / max(c, 1) for j, (a, c) in enumerate(zip(agree, counted))})
-        if draft_length and not any(e.get("temperature", 0.0) > 0 for e in examples):
-            figures.update(_simulated(head, target, examples, draft_length))
+            agree = [a + b for a, b in zip(agree, result.agree)]
+            counted = [a + b for a, b in zip(counted, result.counted)]
+            if draft_length:
+                blocks += _replayed(chosen, batch, result.drafts, draft_length)
     finally:
         head.train(was_training)
+    figures = {"loss": loss_sum / max(tokens, 1), "tokens": tokens, "examples": len(examples)}
+    figures.update({f"step{j + 1}_agreement": a / max(c, 1) for j, (a, c) in enumerate(zip(agree, counted))})
+    if blocks:
+        pooled = DecodeStats.merge(blocks)
+        figures.update(simulated_tau=pooled.mean_accepted_tokens, simulated_acceptance=pooled.acceptance_rate)
     return figures
 
 
-def _simulated(head: Eagle3Head, target, examples: Sequence[dict], draft_length: int) -> dict[str, float]:
-    blocks = []
-    for example in examples:
-        prompt, answer = list(example["prompt_ids"]), list(example["completion_ids"])
-        limit = len(answer) + (0 if example.get("finish_reason") == "length" else draft_length + 1)
-        drafts, _ = head_block_drafts(target, head, prompt, answer, draft_length)
-        blocks.append(simulate_head_greedy(drafts, answer, draft_length=draft_length, max_new_tokens=limit))
-    pooled = DecodeStats.merge(blocks)
-    return {"simulated_tau": pooled.mean_accepted_tokens, "simulated_acceptance": pooled.acceptance_rate}
+def _replayed(examples: Sequence[dict], batch: dict, drafts: torch.Tensor, draft_length: int) -> list[DecodeStats]:
+    """Each example's greedy blocks at K = ``draft_length`` from the head's drafts ``(batch, T, K)``: the block at
+    answer position p starts at entry ``prompt_len + p - 2`` (as truncated by ``collate``)."""
+    out = []
+    for row, example in enumerate(examples):
+        mask = batch["loss_mask"][row]
+        if not mask.any():
+            continue
+        first = int(mask.nonzero()[0])  # prompt_len - 1
+        answer = batch["input_ids"][row, first + 1: first + 1 + int(mask.sum())].tolist()
+        rows = drafts[row].tolist()
+        by_start = [rows[first - 1 + p] if first - 1 + p >= 0 else [] for p in range(len(answer))]
+        cut = example.get("finish_reason") == "length" or len(answer) < len(example["completion_ids"])
+        limit = len(answer) + (0 if cut else draft_length + 1)
+        out.append(simulate_head_greedy(by_start, answer, draft_length=draft_length, max_new_tokens=limit))
+    return out
 
 
 class _HeadSink:

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,10 @@ from distill.training.loop import collate
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 24
+
+
+def fresh_dir() -> Path:
+    return Path(tempfile.mkdtemp())
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +57,11 @@ def new_head(target, examples, head_init="random", size=None):
 def test_loss_counts_each_step_at_its_shifted_answer_positions(target, examples):
     head = new_head(target, examples)
     batch = collate(examples[:3], pad_token_id=0, max_seq_len=64)
-    loss, agree, counted = head_loss(head, target, batch, steps=3)
+    result = head_loss(head, target, batch, steps=3)
+    loss, agree, counted = result.loss, result.agree, result.counted
     assert counted == [60, 60, 60]  # every answer token, each step from its own block start
     short = collate([{**examples[0], "prompt_ids": examples[0]["prompt_ids"][:2]}], pad_token_id=0, max_seq_len=64)
-    assert head_loss(head, target, short, steps=3)[2] == [20, 19, 18]  # step j needs an entry j before the answer
+    assert head_loss(head, target, short, steps=3).counted == [20, 19, 18]  # step j needs an entry j before the answer
     assert torch.isfinite(loss) and loss.requires_grad and all(0 <= a <= c for a, c in zip(agree, counted))
     loss.backward()
     assert head.fc.weight.grad is not None and all(p.grad is None for p in target.parameters())
@@ -102,8 +109,25 @@ def test_head_from_the_target_copies_its_last_layer_and_head_rows(target, exampl
     assert torch.equal(head.lm_head.weight, target.lm_head.weight[rows])
     assert torch.equal(head.midlayer.mlp.down_proj.weight, target.model.layers[-1].mlp.down_proj.weight)
     figures = validate_head(head, target, examples[:4], steps=2, draft_length=2, pad_token_id=0, max_seq_len=64,
-                            batch_size=2)
+                            batch_size=2, progress=False)
     assert set(figures) >= {"loss", "step1_agreement", "step2_agreement", "simulated_tau"}
     with pytest.raises(Exception, match="draft vocabulary"):
         new_head(target, examples, size=VOCAB + 1)
     assert dataclasses.asdict(settings())["ttt_steps"] == 3
+
+
+def test_validation_replay_equals_the_head_simulation(target, examples):
+    """validate_head's tau (drafts from the loss's own pass) equals decode.eagle3.simulation's on the same answers."""
+    from decode.eagle3.simulation import head_block_drafts, simulate_head_greedy
+    from decode.metrics import DecodeStats
+
+    head = new_head(target, examples, size=16)
+    train_head(head, target, examples[:20], settings(max_steps=10), output_dir=fresh_dir(), pad_token_id=0,
+               progress=False)
+    figures = validate_head(head, target, examples[20:], steps=3, draft_length=4, pad_token_id=0, max_seq_len=64,
+                            batch_size=3, progress=False)
+    blocks = []
+    for e in examples[20:]:
+        drafts, _ = head_block_drafts(target, head, e["prompt_ids"], e["completion_ids"], 4)
+        blocks.append(simulate_head_greedy(drafts, e["completion_ids"], draft_length=4, max_new_tokens=20))
+    assert figures["simulated_tau"] == pytest.approx(DecodeStats.merge(blocks).mean_accepted_tokens)
