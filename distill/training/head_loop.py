@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from transformers import get_scheduler
+from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from decode.eagle3.features import aux_states_of
 from decode.eagle3.head import WEIGHTS_FILE, Eagle3Head
@@ -183,8 +183,9 @@ def train_head(head: Eagle3Head, target, examples: Sequence[dict], settings: Dis
     head.to(accelerator.device).train()
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=d.lr, weight_decay=d.weight_decay)
-    scheduler = get_scheduler(d.lr_schedule, optimizer, num_warmup_steps=d.warmup_steps,
-                              num_training_steps=d.max_steps)
+    # as the sibling's loop: linear warmup, then linear decay to 0 or constant
+    scheduler = get_linear_schedule_with_warmup(optimizer, d.warmup_steps, d.max_steps) \
+        if d.lr_schedule == "linear" else get_constant_schedule_with_warmup(optimizer, d.warmup_steps)
     run = _HeadRun(accelerator, optimizer, scheduler, head,
                    {"num_examples": len(examples), "seed": d.seed, "batch_size": d.batch_size,
                     "grad_accum": d.grad_accum, "num_processes": 1})

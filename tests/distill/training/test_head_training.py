@@ -131,3 +131,11 @@ def test_validation_replay_equals_the_head_simulation(target, examples):
         drafts, _ = head_block_drafts(target, head, e["prompt_ids"], e["completion_ids"], 4)
         blocks.append(simulate_head_greedy(drafts, e["completion_ids"], draft_length=4, max_new_tokens=20))
     assert figures["simulated_tau"] == pytest.approx(DecodeStats.merge(blocks).mean_accepted_tokens)
+
+
+def test_warmup_applies_to_the_constant_schedule(target, examples, tmp_path):
+    head = new_head(target, examples)
+    train_head(head, target, examples, settings(max_steps=3, warmup_steps=2), output_dir=tmp_path, pad_token_id=0,
+               progress=False)
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([0.0, 1.5e-3, 3e-3])
