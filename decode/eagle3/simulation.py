@@ -49,33 +49,38 @@ def head_block_drafts(target, head: Eagle3Head, prompt: Sequence[int], answer: S
     """
     ids = torch.tensor([list(prompt) + list(answer)], device=target.device)
     target_logits, states = teacher_forced_states(target, ids, head.config.aux_layers)
-    outputs = unroll(head, target.get_input_embeddings(), ids, states, steps)
+    starts = [_start_entry(len(prompt), p) for p in range(len(answer))]
+    wanted = torch.tensor([s for s in starts if s >= 0], dtype=torch.long, device=ids.device)
+    outputs = unroll(head, target.get_input_embeddings(), ids, states, steps, entries=wanted)
+    logits = [head.lm_head(normed[0]).float() for normed in outputs]  # steps x (n, N), rows as `wanted`
+    best = torch.stack([head.draft_to_target[step.argmax(-1)] for step in logits], dim=-1).tolist()  # (n, steps)
     vocab = head.config.vocab_size
-    full = [head.full_vocab_logits(head.lm_head(normed[0]).float()) for normed in outputs]  # steps x (T, V)
-    drafts, betas = [], [] if sampling else None
-    for p in range(len(answer)):
-        s = _start_entry(len(prompt), p)
+    drafts, betas, row = [], [] if sampling else None, 0
+    for s in starts:
         if s < 0:
             drafts.append([])
             if sampling:
                 betas.append([])
             continue
-        drafts.append([int(full[j][s, :vocab].argmax()) for j in range(steps)])
+        drafts.append(best[row])
         if sampling:
+            full = [head.full_vocab_logits(step[row: row + 1]) for step in logits]
             betas.append(_betas(target_logits[0], full, s, vocab, sampling))
+        row += 1
     return drafts, betas
 
 
 def _betas(target_logits: torch.Tensor, full: list[torch.Tensor], s: int, vocab: int, sampling: dict
            ) -> list[float]:
-    """``1 - TV`` of each step at start entry ``s``: step j predicts the token after position ``s + j + 1``."""
+    """``1 - TV`` of each step at start entry ``s`` (``full``: each step's ``(1, V)`` logits there): step j
+    predicts the token after position ``s + j + 1``."""
     out = []
     for j, logits in enumerate(full):
         position = s + j + 1
         if position >= target_logits.shape[0]:
             break
         target_probs = process_logits(target_logits[position: position + 1, :vocab].float(), **sampling)
-        draft_probs = process_logits(logits[s: s + 1, :vocab], **sampling)
+        draft_probs = process_logits(logits[:, :vocab], **sampling)
         out.append(float(torch.minimum(target_probs, draft_probs).sum()))
     return out
 

@@ -32,7 +32,7 @@ from distill.data.generated import prompt_length_limit
 from distill.data.prompts import encode_prompt, load_prompts, split_prompts
 from distill.drafters.build import describe_layers
 from distill.drafters.setup import check_layers_exist, initial_drafter
-from distill.errors import TokenizerMismatchError
+from distill.errors import ConfigError, TokenizerMismatchError
 from distill.files import write_json_atomic, write_text_atomic
 from distill.measure.simulation import teacher_forced_greedy
 from distill.models.loading import eos_token_ids, load_model, tokenizers_compatible
@@ -168,6 +168,10 @@ def run_check(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
             ``data.max_prompt_tokens``).
     """
     c = cfg.check
+    if cfg.drafter.init == "eagle3":
+        raise ConfigError("draftsmith check measures a drafter as it stands, and an EAGLE-3 head has nothing to "
+                          "measure before training: train one (draftsmith distill drafter=eagle3), then draftsmith "
+                          "evaluate drafter=eagle3 measures it beside the stock drafter")
     check_layers_exist(cfg)
     # the prompts come first (the target's tokenizer is enough): too few is refused before any model loads
     prompts = load_prompts(cfg.data.source, cfg.data.path, sharegpt_turns=cfg.data.mixed_sharegpt)
