@@ -195,7 +195,7 @@ def train_head(head: Eagle3Head, target, examples: Sequence[dict], settings: Dis
     before = state.get("validation_before") or (validate_head(head, target, val_examples, **val_args)
                                                 if val_examples else None)
     sink = _HeadSink(output_dir, logger, progress, state["step"], d.max_steps)
-    if before:
+    if before and not state["step"]:  # a resumed run's files hold it already
         sink.validation(0, before)
     stream = _example_stream(len(examples), d.seed, state["examples_seen"])
     seen, t_start, history, checkpoint = dict(state), time.perf_counter(), [], None

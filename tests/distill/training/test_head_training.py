@@ -101,6 +101,13 @@ def test_resume_continues_exactly(target, examples, tmp_path):
         assert torch.allclose(a, b, atol=1e-6), name
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+    again = new_head(target, examples)  # validation before training is written once, by the run that measured it
+    train_head(again, target, examples, settings(max_steps=2, checkpoint_every=2), output_dir=tmp_path / "c",
+               pad_token_id=0, progress=False, val_examples=examples[:3])
+    train_head(new_head(target, examples), target, examples, settings(max_steps=3), output_dir=tmp_path / "c",
+               pad_token_id=0, progress=False, val_examples=examples[:3], resume_from=tmp_path / "c" / "checkpoint-2")
+    lines = (tmp_path / "c" / "validation.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 2, 3]
 
 
 def test_head_from_the_target_copies_its_last_layer_and_head_rows(target, examples):
