@@ -45,6 +45,16 @@ class SpeculativeOutput:
     stats: DecodeStats
 
 
+def finished_output(seq: list[int], prompt_len: int, stats: DecodeStats, start: float,
+                    device: torch.device) -> SpeculativeOutput:
+    """The generation's output once its loop ends: the tokens after the prompt, ``stats`` completed with the
+    decode time since ``start`` (``time.perf_counter()``) and the token count."""
+    sync(device)
+    stats.decode_s = time.perf_counter() - start
+    stats.new_tokens = len(seq) - prompt_len
+    return SpeculativeOutput(torch.tensor(seq[prompt_len:], dtype=torch.long, device=device), stats)
+
+
 def check_decode_args(input_ids: torch.Tensor, max_new_tokens: int) -> None:
     """Raises ValueError unless ``input_ids`` is ``(1, prompt_len >= 1)`` and ``max_new_tokens >= 0``."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
@@ -214,10 +224,7 @@ def speculative_generate(
         if stop is not None:
             break
 
-    sync(device)
-    stats.decode_s = time.perf_counter() - start
-    stats.new_tokens = len(seq) - prompt_len
-    return SpeculativeOutput(torch.tensor(seq[prompt_len:], dtype=torch.long, device=device), stats)
+    return finished_output(seq, prompt_len, stats, start, device)
 
 
 @torch.inference_mode()

@@ -25,7 +25,7 @@ from decode.eagle3.head import Eagle3Head
 from decode.metrics import DecodeStats
 from decode.model_calls import crop, sync, vocab_size_of
 from decode.sampling import check_sampling_args, greedy_accept, process_logits, speculative_accept
-from decode.speculative import SpeculativeOutput, check_decode_args, draw_draft
+from decode.speculative import SpeculativeOutput, check_decode_args, draw_draft, finished_output
 
 
 class HeadDrafter:
@@ -147,7 +147,4 @@ def eagle3_generate(target, head: Eagle3Head, input_ids: torch.Tensor, *, draft_
         if stop is not None:
             break
 
-    sync(device)
-    stats.decode_s = time.perf_counter() - start
-    stats.new_tokens = len(seq) - prompt_len
-    return SpeculativeOutput(torch.tensor(seq[prompt_len:], dtype=torch.long, device=device), stats)
+    return finished_output(seq, prompt_len, stats, start, device)
