@@ -71,8 +71,9 @@ def run_head_evaluate(cfg: Config, run: StageRun, distill_dir: Path, held_out: l
         raise DraftsmithError(f"the head in {distill_dir} was trained for {info['target_name']!r}, not for "
                               f"target {cfg.target.name!r}: set target.name={info['target_name']}")
     quantization = resolve_quantization(cfg.decode.drafter_quantization, target.device)
-    runners = {"eagle3": drafter_for_decoding(Eagle3Head.load(distill_dir / DRAFTER_DIR).to(target.device),
-                                              quantization, inplace=True),
+    # the head stays float32: as int8 (per-token activation scales) its incremental and whole-sequence forwards
+    # part at near-ties often enough that the simulation would not be the decoder's (2 of 3 real prompts)
+    runners = {"eagle3": Eagle3Head.load(distill_dir / DRAFTER_DIR).to(target.device),
                "stock": drafter_for_decoding(load_model(cfg.drafter.name, dtype="float32")[0], quantization,
                                              inplace=True)}
     use_onednn_linear(target)
@@ -96,7 +97,7 @@ def run_head_evaluate(cfg: Config, run: StageRun, distill_dir: Path, held_out: l
     report.update({"kind": "eagle3", "target": {"name": cfg.target.name, "fingerprint": target_res.fingerprint,
                                                 "dtype": str(next(target.parameters()).dtype)},
                    "drafter": {**info, "path": str(distill_dir / DRAFTER_DIR)}, "stock_drafter": cfg.drafter.name,
-                   "drafter_quantization": quantization, "host": hardware(), "prompt_ids": [p[0] for p in prompts],
+                   "drafter_quantization": quantization, "head_precision": "float32", "host": hardware(), "prompt_ids": [p[0] for p in prompts],
                    "side_by_side_costs": costs, "model_load_s": round(load_s, 1)})
     path = run.path / REPORT_JSON
     write_json_atomic(path, report)
@@ -211,7 +212,8 @@ def head_report_markdown(report: dict[str, Any]) -> str:
     """report.md of a head's evaluate: one table of both drafters, the paired comparison and the timed runs."""
     lines = ["# EAGLE-3 head against the stock drafter", "",
              f"Target {report['target']['name']} ({report['target']['dtype']}), stock drafter "
-             f"{report['stock_drafter']}, drafters {report['drafter_quantization']}; host: "
+             f"{report['stock_drafter']} ({report['drafter_quantization']}), the head {report['head_precision']}; "
+             f"host: "
              f"{'bf16 matrix units' if report['host'].get('bf16_fast') else 'no bf16 units (AVX2)'}.", "",
              "| drafter | prompts | acceptance (K) | tau | c | best K | predicted speedup at best K |",
              "|---|---|---|---|---|---|---|"]
