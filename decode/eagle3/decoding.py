@@ -20,10 +20,10 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from decode.eagle3.features import forward_with_states
+from decode.eagle3.features import aux_states_of
 from decode.eagle3.head import Eagle3Head
 from decode.metrics import DecodeStats
-from decode.model_calls import crop, sync, vocab_size_of
+from decode.model_calls import crop, forward, sync, vocab_size_of
 from decode.sampling import check_sampling_args, greedy_accept, process_logits, speculative_accept
 from decode.speculative import SpeculativeOutput, check_decode_args, draw_draft, finished_output
 
@@ -108,43 +108,46 @@ def eagle3_generate(target, head: Eagle3Head, input_ids: torch.Tensor, *, draft_
     def probs_of(logits):  # (n, V) -> float32 (n, V)
         return process_logits(logits[:, :vocab], temperature, top_k, top_p)
 
-    start = time.perf_counter()
-    target_cache = DynamicCache()
-    if input_ids.shape[1] > 1:
-        drafter.add_states(forward_with_states(target, input_ids[:, :-1], target_cache, aux, last_only=True)[1])
-    sync(device)
-    stats.prefill_s, start = time.perf_counter() - start, time.perf_counter()
+    # the aux-layer hooks stay on for the whole generation: one registration, not one per forward
+    with aux_states_of(target, aux) as collected:
+        start = time.perf_counter()
+        target_cache = DynamicCache()
+        if input_ids.shape[1] > 1:
+            forward(target, input_ids[:, :-1], target_cache, last_only=True)
+            drafter.add_states(collected.pop()[0])
+        sync(device)
+        stats.prefill_s, start = time.perf_counter() - start, time.perf_counter()
 
-    seq = input_ids[0].tolist()
-    prompt_len = len(seq)
-    while len(seq) - prompt_len < max_new_tokens:
-        k = min(draft_length, max_new_tokens - (len(seq) - prompt_len) - 1)
-        draft_tokens, draft_probs = drafter.draft(seq, k, vocab, greedy, probs_of, generator)
-        k = len(draft_tokens)
-        stats.draft_forwards += k
+        seq = input_ids[0].tolist()
+        prompt_len = len(seq)
+        while len(seq) - prompt_len < max_new_tokens:
+            k = min(draft_length, max_new_tokens - (len(seq) - prompt_len) - 1)
+            draft_tokens, draft_probs = drafter.draft(seq, k, vocab, greedy, probs_of, generator)
+            k = len(draft_tokens)
+            stats.draft_forwards += k
 
-        verify_input = torch.cat([torch.tensor(seq[-1:], device=device), draft_tokens]).unsqueeze(0)
-        target_logits, states = forward_with_states(target, verify_input, target_cache, aux)
-        stats.target_forwards += 1
-        if greedy:
-            num_accepted, next_token = greedy_accept(target_logits[:, :vocab].argmax(-1), draft_tokens)
-        else:
-            draft_probs = torch.cat(draft_probs) if k else torch.zeros(0, vocab, device=device)
-            num_accepted, next_token = speculative_accept(probs_of(target_logits), draft_probs, draft_tokens,
-                                                          generator)
+            verify_input = torch.cat([torch.tensor(seq[-1:], device=device), draft_tokens]).unsqueeze(0)
+            target_logits, states = forward(target, verify_input, target_cache), collected.pop()[0]
+            stats.target_forwards += 1
+            if greedy:
+                num_accepted, next_token = greedy_accept(target_logits[:, :vocab].argmax(-1), draft_tokens)
+            else:
+                draft_probs = torch.cat(draft_probs) if k else torch.zeros(0, vocab, device=device)
+                num_accepted, next_token = speculative_accept(probs_of(target_logits), draft_probs, draft_tokens,
+                                                              generator)
 
-        *block, n = torch.cat([draft_tokens, next_token.view(1), num_accepted.view(1)]).tolist()
-        block = block[:n] + block[k:]
-        stop = next((i for i, token in enumerate(block) if token in eos), None)
-        emitted_before, length_before = len(seq) - prompt_len, len(seq)
-        seq += block if stop is None else block[: stop + 1]
-        stats.accepted_per_block.append(min(n, len(seq) - prompt_len - emitted_before - 1))
-        stats.drafted_per_block.append(k)
+            *block, n = torch.cat([draft_tokens, next_token.view(1), num_accepted.view(1)]).tolist()
+            block = block[:n] + block[k:]
+            stop = next((i for i, token in enumerate(block) if token in eos), None)
+            emitted_before, length_before = len(seq) - prompt_len, len(seq)
+            seq += block if stop is None else block[: stop + 1]
+            stats.accepted_per_block.append(min(n, len(seq) - prompt_len - emitted_before - 1))
+            stats.drafted_per_block.append(k)
 
-        crop(target_cache, len(seq) - 1)
-        drafter.end_block(length_before)
-        drafter.add_states(states[: n + 1])  # entries L-1 .. L+n-1: the last token's and the accepted drafts'
-        if stop is not None:
-            break
+            crop(target_cache, len(seq) - 1)
+            drafter.end_block(length_before)
+            drafter.add_states(states[: n + 1])  # entries L-1 .. L+n-1: the last token's and the accepted drafts'
+            if stop is not None:
+                break
 
     return finished_output(seq, prompt_len, stats, start, device)

@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from decode.model_calls import forward
 from decode.progress import decoder_layers
 
 
@@ -45,19 +44,14 @@ def aux_states_of(target, aux_layers: Sequence[int]) -> Iterator[list[torch.Tens
             handle.remove()
 
 
-def forward_with_states(target, input_ids: torch.Tensor, cache, aux_layers: Sequence[int], last_only: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One cached target forward of ``input_ids`` ``(1, n)`` -> logits ``(n, V)`` (``(1, V)`` if
-    ``last_only``) and aux states ``(n, len(aux_layers) * hidden)``."""
-    with aux_states_of(target, aux_layers) as states:
-        logits = forward(target, input_ids, cache, last_only=last_only)
-    return logits, states[-1][0]
-
-
 def teacher_forced_states(target, input_ids: torch.Tensor, aux_layers: Sequence[int],
-                          attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          attention_mask: torch.Tensor | None = None,
+                          logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One uncached target forward over ``input_ids`` ``(batch, T)`` (right-padded, ``attention_mask``
-    ``(batch, T)``) -> logits ``(batch, T, V)`` and aux states ``(batch, T, len(aux_layers) * hidden)``."""
+    ``(batch, T)``) -> logits ``(batch, T, V)`` (the last ``logits_to_keep`` positions only, when > 0: the
+    states are what a greedy simulation needs, not a ``(T, 151936)`` head output) and aux states
+    ``(batch, T, len(aux_layers) * hidden)``."""
     with aux_states_of(target, aux_layers) as states:
-        logits = target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logits = target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                        logits_to_keep=logits_to_keep).logits
     return logits, states[-1]

@@ -48,7 +48,8 @@ def head_block_drafts(target, head: Eagle3Head, prompt: Sequence[int], answer: S
         (``[]`` where the block can have none: a one-token prompt's first block); ``betas[p][j]`` or None.
     """
     ids = torch.tensor([list(prompt) + list(answer)], device=target.device)
-    target_logits, states = teacher_forced_states(target, ids, head.config.aux_layers)
+    target_logits, states = teacher_forced_states(target, ids, head.config.aux_layers,
+                                                  logits_to_keep=0 if sampling else 1)
     starts = [_start_entry(len(prompt), p) for p in range(len(answer))]
     wanted = torch.tensor([s for s in starts if s >= 0], dtype=torch.long, device=ids.device)
     outputs = unroll(head, target.get_input_embeddings(), ids, states, steps, entries=wanted)

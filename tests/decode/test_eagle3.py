@@ -191,3 +191,24 @@ def test_report_sections_replay_the_head(target, head):
     assert section["mean_accepted_tokens"] == pytest.approx(90 / blocks)
     assert section["per_k"]["3"]["mean_accepted_tokens"] == pytest.approx(90 / blocks)
     assert 1 <= section["recommended_draft_length"] <= 8 and "heuristic" in section
+
+
+def test_sampling_betas_are_one_minus_tv_at_each_block_start(target, head):
+    """betas[p][0] = sum min(target, head) of the first draft of the block at answer position p (temperature 1):
+    the head's step 1 at entry prompt_len + p - 2 against the target's distribution at prompt_len + p - 1."""
+    from decode.eagle3.features import teacher_forced_states
+    from decode.eagle3.unroll import unroll
+
+    prompt = PROMPTS[0]
+    answer = greedy_reference(target, prompt, 8)
+    _, betas = head_block_drafts(target, head, prompt, answer, 2,
+                                 sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0})
+    assert [len(b) for b in betas] == [2] * 8
+    ids = torch.tensor([prompt + answer])
+    with torch.no_grad():
+        logits, states = teacher_forced_states(target, ids, head.config.aux_layers)
+        head_probs = torch.softmax(head.lm_head(unroll(head, target.get_input_embeddings(), ids, states, 1)[0][0]), -1)
+        target_probs = torch.softmax(logits[0], -1)
+    for p in range(8):
+        s = len(prompt) + p - 2
+        assert betas[p][0] == pytest.approx(float(torch.minimum(head_probs[s], target_probs[s + 1]).sum()), abs=1e-5)
