@@ -48,6 +48,26 @@ def initial_head(target, completions: Sequence[Sequence[int]], *, draft_vocab_si
     return head.float().train()
 
 
+def check_head_config(cfg) -> None:
+    """From the target's config alone (no weights), before any run folder or model load: the head
+    ``drafter.aux_layers`` and ``drafter.draft_vocab_size`` ask for fits the target; nothing for other drafters.
+
+    Raises:
+        ConfigError: an aux layer the target lacks, aux layers out of order, or a draft vocabulary too large.
+    """
+    if cfg.drafter.init != "eagle3":
+        return
+    from transformers import AutoConfig
+
+    from distill.models.loading import resolve_model
+
+    target_config = AutoConfig.from_pretrained(resolve_model(cfg.target.name).path)
+    try:
+        Eagle3Config.from_target(target_config, cfg.drafter.draft_vocab_size, cfg.drafter.aux_layers)
+    except ValueError as err:
+        raise ConfigError(f"drafter (EAGLE-3 head): {err}") from err
+
+
 @torch.no_grad()
 def init_from_target(head: Eagle3Head, target) -> None:
     """Start the head from the target's last decoder layer (its attention weights in both halves of the

@@ -25,6 +25,7 @@ from distill.config import Config
 from distill.data.generated import load_generated
 from distill.data.training_data import data_identity, resolve_extra_generate, training_examples
 from distill.drafters.build import LoraSettings, merge_drafter, state_dict_bytes
+from distill.drafters.eagle3 import check_head_config
 from distill.drafters.setup import (
     DRAFTER_DIR,
     DRAFTER_INFO,
@@ -104,6 +105,7 @@ def run_distill(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
     mixed_precision = _mixed_precision(d.mixed_precision)
     check_training_hardware(cfg)
     check_layers_exist(cfg)
+    check_head_config(cfg)
     named_checkpoint(d.resume)  # a wrong distill.resume folder is refused before data and models load
     # Several launched processes (distill/parallel.py): all train, only the main one writes the run folder.
     main = parallel.is_main()

@@ -41,3 +41,12 @@ def test_a_head_is_trained_measured_and_exported(tmp_path):
     config = json.loads((export_dir / "drafter-hf" / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 64
     assert config["transformer_layer_config"]["model_type"] == "llama"
+
+
+def test_a_head_the_target_cannot_have_is_refused_before_any_run_folder(tmp_path):
+    from tests.distill.test_config import cli_in_process
+
+    proc = cli_in_process("distill", "experiment=tiny", f"outputs={tmp_path}/outputs", *HEAD,
+                          "drafter.aux_layers=[0,1,9]", cwd=tmp_path)
+    assert proc.returncode != 0 and "aux layers" in (proc.stderr + proc.stdout)
+    assert not (tmp_path / "outputs" / "distill").exists()
