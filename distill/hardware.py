@@ -13,19 +13,36 @@ def bf16_is_fast(device: str | None = None) -> bool:
     """Whether bfloat16 matrix products have hardware support on ``device`` ("cpu" or "cuda"; None = the
     device training and decoding use: CUDA if present, else the CPU).
 
-    CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and later). CPU: oneDNN's bf16 path, which
-    needs AVX512 (native with AVX512-BF16 or AMX). Without it torch falls back to a scalar bf16
-    GEMM, many times slower than float32 (measured figures: docs/precision.md).
+    CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and later). CPU: the AVX512-BF16 or AMX-BF16 units
+    (:func:`cpu_bf16_units`). oneDNN also runs bf16 on plain AVX512 (its ``_is_mkldnn_bf16_supported`` says
+    True there) but by converting to float32: 3.5x slower than float32 matrix products on an AVX512 Xeon
+    without the units, and a scalar fallback many times slower on AVX2 (docs/precision.md).
     """
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
+    units = cpu_bf16_units()
+    if units is not None:
+        return bool(units)
+    try:  # no CPU flags to read (not Linux): oneDNN's answer, which can say True without the units
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # private op: fall back to the public capability string
-        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cpu_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> list[str] | None:
+    """The CPU's bf16 matrix units named in ``cpuinfo``'s flags (``avx512_bf16``, ``amx_bf16``; [] when it has
+    none), or None where the file cannot be read (not Linux)."""
+    try:
+        text = open(cpuinfo, encoding="utf-8", errors="replace").read()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    if flags is None:
+        return None
+    return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
 
 
 def resolve_mixed_precision(setting: str, device: str | None = None) -> str:
@@ -53,7 +70,8 @@ def hardware() -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if cuda else None, "bf16_fast": bf16_is_fast()}
+            "gpu": torch.cuda.get_device_name(0) if cuda else None, "bf16_fast": bf16_is_fast(),
+            "cpu_bf16_units": cpu_bf16_units()}
 
 
 def resolve_auto(config):

@@ -368,6 +368,12 @@ def _validation_section(report: dict[str, Any]) -> list[str]:
     val = report.get("distill_validation")
     kind = (report.get("simulated") or {}).get("kind") or ""
     sampled_here = kind if kind.startswith("expected") else None
+    # scored answers were written by someone else: greedy decoding would not emit them, so blocks replayed on
+    # them are a proxy for the decoder's tau, not its exact figure
+    scored_note = (" (on the dataset's answers, which the target scored but did not write: a proxy)"
+                   if (report.get("data") or {}).get("answers") == "dataset" else "")
+    scored_reading = ("The validation row replays greedy blocks on answers the target did not write, so it is a "
+                      "proxy that tracks training; the held-out row is exact (the target's own greedy answers).")
     if val:
         lines += ["", "## Expected vs measured acceptance", "",
                   "| figure | undistilled drafter | distilled drafter |", "|---|---|---|",
@@ -380,7 +386,7 @@ def _validation_section(report: dict[str, Any]) -> list[str]:
                   f"| measured acceptance rate (bundled decoder, held-out prompts) | "
                   f"{_fmt(base.get('acceptance_rate'), '{:.3f}')} | {_fmt(report.get('acceptance_rate'), '{:.3f}')} |",
                   f"| greedy tau at K = {val.get('val_simulated_draft_length') or '-'}, simulated on the validation "
-                  f"split | {_fmt(val.get('val_simulated_tau_before'), '{:.2f}')} | "
+                  f"split{scored_note} | {_fmt(val.get('val_simulated_tau_before'), '{:.2f}')} | "
                   f"{_fmt(val.get('val_simulated_tau_after'), '{:.2f}')} |",
                   f"| {'greedy tau' if sampled_here is None else 'tau'}, simulated on every held-out prompt "
                   f"(this report{'' if sampled_here is None else ', ' + sampled_here}) | "
@@ -389,7 +395,8 @@ def _validation_section(report: dict[str, Any]) -> list[str]:
                   "", "1 - TV is the acceptance probability of speculative *sampling* at temperature 1 on the "
                   "target's own continuations (Leviathan et al. 2023, Cor. 3.6); greedy acceptance on new prompts "
                   "differs, so read the two as a trend, not as equals. "
-                  + ("The two simulated tau rows are one quantity (exact greedy blocks) on different prompts: the "
+                  + (scored_reading if scored_note else
+                     "The two simulated tau rows are one quantity (exact greedy blocks) on different prompts: the "
                      "validation split of the training data and the held-out set." if sampled_here is None else
                      "The validation row is greedy tau; this report's is the expectation under speculative sampling: "
                      "two different quantities.")]

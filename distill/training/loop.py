@@ -511,7 +511,9 @@ def validate(
 def simulated_validation(drafter, examples: Sequence[dict], draft_length: int) -> dict[str, float]:
     """tau and acceptance rate that greedy speculative decoding at K = ``draft_length`` gets on the examples'
     answers, exactly (``decode.acceptance.simulate_greedy`` on one teacher-forced drafter pass), or {} when the
-    answers were sampled (``temperature`` > 0: greedy decoding would not emit them). The drafter runs as it
+    answers were sampled (``temperature`` > 0: greedy decoding would not emit them). Exact only when the target
+    wrote the answers greedily; on scored answers (``generate.answers=dataset``) the blocks are replayed on text
+    the target did not write, a proxy that tracks training (report.md labels it so). The drafter runs as it
     trains (its training dtype, no int8), so evaluate's int8 figures can differ by a near-tie here and there.
     """
     if any(e.get("temperature", 0.0) > 0 for e in examples):
