@@ -34,6 +34,18 @@ def test_markdown_has_every_section():
     assert "drafter run as int8-dynamic" in text
 
 
+def test_validation_tau_on_scored_answers_is_labelled_a_proxy():
+    report = _report()
+    report["distill_validation"].update(val_simulated_tau_before=2.9, val_simulated_tau_after=3.0,
+                                        val_simulated_draft_length=3)
+    assert "a proxy" not in render_report_markdown(report)  # the target's own greedy answers: exact
+    report["data"] = {"answers": "dataset"}
+    text = render_report_markdown(report)
+    assert "simulated on the validation split (on the dataset's answers, which the target scored but did not " \
+           "write: a proxy) | 2.90 | 3.00 |" in text
+    assert "the held-out row is exact" in text and "are one quantity" not in text
+
+
 def test_plots_are_written(tmp_path):
     names = [p.name for p in write_report_plots(_report(), tmp_path)]
     assert names == ["acceptance_by_position.png", "tokens_per_s.png", "speedup_vs_k.png",
