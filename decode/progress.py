@@ -1,4 +1,4 @@
-"""A progress bar that moves inside long model calls.
+"""A progress bar that moves inside long model calls, and a line that ticks through silent library calls.
 
 A CPU takes 15-60 s over one scoring batch, one batch of ``generate``, one timed prompt or one training step;
 a bar that moves only between them looks hung. :func:`heartbeat` hooks the models' decoder layers (forward
@@ -79,3 +79,30 @@ def _hook_layers(layers: nn.ModuleList, name: str, beat: _Beat) -> list:
         return hook
 
     return [layer.register_forward_hook(on_forward(i)) for i, layer in enumerate(layers)]
+
+
+@contextlib.contextmanager
+def ticking(desc: str, every_s: float = 5.0, disable: bool | None = None) -> Iterator[None]:
+    """Within the block, a tqdm line ``<desc>: <elapsed>`` redrawn every ``every_s`` seconds from a daemon
+    thread: for one long library call that reports nothing itself (reading a GGUF's tokenizer, a model's
+    load), so the terminal shows it is alive. The line is removed on leaving the block, also on an error;
+    ``disable`` None hides it where stderr is not a terminal, as tqdm does."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed}", leave=False, disable=disable)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            bar.refresh()
+
+    thread = threading.Thread(target=tick, name="ticking", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.close()

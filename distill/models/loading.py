@@ -361,10 +361,13 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from decode.progress import ticking
+
     start = time.perf_counter()
     logger.info("converting %s to safetensors (one-time)", gguf_path.name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        with ticking(f"reading {gguf_path.name}'s tokenizer"):  # about a minute, silent in transformers
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
         )

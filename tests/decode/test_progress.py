@@ -1,4 +1,4 @@
-"""decode.progress.heartbeat: a bar redrawn inside long model calls, with results unchanged."""
+"""decode.progress: heartbeat, a bar redrawn inside long model calls with results unchanged, and ticking."""
 
 from __future__ import annotations
 
@@ -62,3 +62,17 @@ def test_decoder_layers_are_found_through_peft():
     wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     assert decoder_layers(wrapped) is model.model.layers
     assert decoder_layers(torch.nn.Linear(2, 2)) is None
+
+
+def test_ticking_redraws_while_a_silent_call_runs_and_then_goes(capsys):
+    import time
+
+    from decode.progress import ticking
+
+    with ticking("reading the tokenizer", every_s=0.1, disable=False):
+        time.sleep(0.45)
+    drawn = [line for line in capsys.readouterr().err.split("\r") if line.startswith("reading the tokenizer: ")]
+    assert len(drawn) >= 4  # the first draw and a redraw every 0.1 s
+    with ticking("quiet", disable=True):
+        pass
+    assert "quiet" not in capsys.readouterr().err
