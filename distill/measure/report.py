@@ -8,6 +8,7 @@ from typing import Any
 
 from distill.files import write_bytes_atomic, write_text_atomic
 from distill.measure.budget import budget_curve_lines, plot_budget_curve
+from distill.measure.standing import standing_lines
 from distill.measure.engines import engines_table
 from distill.measure.timing_trust import disturbed, disturbed_sentence, speed_verdict
 
@@ -239,7 +240,7 @@ def _against_stock_lines(report: dict[str, Any]) -> list[str]:
 
 def render_report_markdown(report: dict[str, Any]) -> str:
     """A Markdown page: the before/after table, HF assisted baseline, per-category and per-position figures."""
-    sections = (_header, _timed_table, _validation_section, budget_curve_lines, _hf_assisted_section,
+    sections = (_header, _timed_table, _validation_section, budget_curve_lines, standing_lines, _hf_assisted_section,
                 _engines_section, _draft_length_section, _per_category_section, _per_position_section, _stages_section, _plots_and_notes)
     return "\n".join(line for section in sections for line in section(report)) + "\n"
 

@@ -40,6 +40,7 @@ from distill.measure.budget import budget_curve
 from distill.measure.engines import check_engines, measure_engine
 from distill.measure.head_evaluation import is_head_run, run_head_evaluate
 from distill.measure.report import REPORT_JSON, REPORT_MD, ratio_or_none, write_report_markdown, write_report_plots
+from distill.measure.standing import load_reference, standing, training_recipe
 from distill.measure.simulation import (
     Pairing,
     answer_all,
@@ -351,10 +352,14 @@ def run_evaluate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path | No
     if cfg.evaluate.engines:
         report["engines"] = _engine_measurements(cfg, ev, report, distill_dir, run_dir)
         laps("engines")
+    train = distill_manifest.get("train") or {}
+    report["training"] = {"tokens": train.get("tokens_seen"), "steps": train.get("steps"),
+                          "recipe": training_recipe(distill_dir)}
     if ev.checkpoints:
-        train = distill_manifest.get("train") or {}
         report["budget_curve"] = budget_curve(report, ev.checkpoints, {"step": train.get("steps"),
                                               "tokens_seen": train.get("tokens_seen", 0)}, train.get("tokens_per_s"))
+    else:  # one point: where it stands on the reference curve measured with checkpoints
+        report["curve_standing"] = standing(report, load_reference())
     report["phase_seconds"] = laps.seconds  # where evaluate's time went (each drafter's own split: its "seconds")
     report["phase_peak_rss_gib"] = laps.peak_gib
     report_path = _write_report(cfg, report, run_dir, distill_dir)
