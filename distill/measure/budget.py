@@ -46,6 +46,13 @@ def budget_curve(report: dict[str, Any], checkpoints: dict[str, dict[str, int]],
     return {"points": points, "stock": stock, "fit": _fit(points, tokens_per_s)}
 
 
+def warn_no_checkpoints(distill_dir: Path) -> None:
+    """Say that ``evaluate.checkpoints`` found no budget point in ``distill_dir`` and how to get some."""
+    print(f"evaluate: warning: evaluate.checkpoints: {distill_dir} kept no checkpoint before its last step "
+          "(distill with distill.checkpoint_at=[...] or distill.keep_checkpoints=0); only the final drafter "
+          "is measured", flush=True)
+
+
 def _point(name: str, section: dict[str, Any], info: dict[str, Any], stock: str | None) -> dict[str, Any]:
     """One row of the curve from a drafter's report section."""
     sim = section.get("simulated") or {}
@@ -122,7 +129,8 @@ def _budget_sentence(fit: dict[str, Any]) -> str:
 
 def _num_prompts(report: dict[str, Any]) -> Any:
     """The prompts the curve was simulated on (the report's top-level count is the timed subset's)."""
-    return (report.get("simulated") or {}).get("num_prompts", report.get("num_prompts"))
+    curve = report.get("budget_curve") or {}
+    return curve.get("num_prompts") or (report.get("simulated") or {}).get("num_prompts", report.get("num_prompts"))
 
 
 def _ci(value: float | None, ci: list[float] | None, fmt: str = "{:.3f}") -> str:
@@ -153,7 +161,8 @@ def plot_budget_curve(plt, report: dict[str, Any], folder: Path, save) -> Path |
         ax.set_xlabel("training tokens")
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle(f"training budget ({_num_prompts(report)} prompts, K = {report.get('draft_length')})")
+    fig.suptitle(f"training budget ({_num_prompts(report)} prompts, "
+                 f"K = {curve.get('draft_length') or report.get('draft_length')})")
     fig.tight_layout()
     path = Path(folder) / "budget_curve.png"
     save(plt, fig, path)

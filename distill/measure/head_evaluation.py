@@ -34,7 +34,7 @@ from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO
 from distill.errors import DraftsmithError
 from distill.files import write_json_atomic, write_text_atomic
 from distill.hardware import hardware
-from distill.measure.report import REPORT_JSON, REPORT_MD
+from distill.measure.report import REPORT_JSON, REPORT_MD, write_budget_plot
 from distill.measure.simulation import (
     answer_all,
     answers_target_key,
@@ -45,8 +45,11 @@ from distill.measure.simulation import (
     simulated_drafter,
     teacher_forced,
 )
+from distill.measure.budget import budget_curve, budget_curve_lines, warn_no_checkpoints
 from distill.models.loading import eos_token_ids, load_model
-from distill.runs import StageRun
+from distill.runs import StageRun, read_manifest
+from distill.training.checkpoint import budget_checkpoints, checkpoint_tokens
+from distill.training.resume import CHECKPOINTS
 
 DRAFTERS = ("eagle3", "stock")
 
@@ -73,7 +76,9 @@ def run_head_evaluate(cfg: Config, run: StageRun, distill_dir: Path, held_out: l
     quantization = resolve_quantization(cfg.decode.drafter_quantization, target.device)
     # the head stays float32: as int8 (per-token activation scales) its incremental and whole-sequence forwards
     # part at near-ties often enough that the simulation would not be the decoder's (2 of 3 real prompts)
+    checkpoints = _checkpoint_heads(cfg, distill_dir)
     runners = {"eagle3": Eagle3Head.load(distill_dir / DRAFTER_DIR).to(target.device),
+               **{name: head.to(target.device) for name, (head, _) in checkpoints.items()},
                "stock": drafter_for_decoding(load_model(cfg.drafter.name, dtype="float32")[0], quantization,
                                              inplace=True)}
     use_onednn_linear(target)
@@ -91,6 +96,9 @@ def run_head_evaluate(cfg: Config, run: StageRun, distill_dir: Path, held_out: l
     samples = _samples(cfg, target, runners, prompts, answers)
     costs = _costs(cfg, target, runners, timed)
     report = _simulated(cfg, samples, costs, prompts, answers)
+    if checkpoints:
+        report["budget_curve"] = _head_budget_curve(report, {n: t for n, (_, t) in checkpoints.items()},
+                                                    read_manifest(distill_dir).get("train") or {})
     report["timed"] = _timed(cfg, target, runners, timed, report, eos, tokenizer)
     report["simulation_check"] = _simulation_check(report["timed"], samples["eagle3"][: len(timed)],
                                                    cfg.decode.max_new_tokens)
@@ -102,6 +110,7 @@ def run_head_evaluate(cfg: Config, run: StageRun, distill_dir: Path, held_out: l
     path = run.path / REPORT_JSON
     write_json_atomic(path, report)
     write_text_atomic(run.path / REPORT_MD, head_report_markdown(report))
+    write_budget_plot(report, run.path)
     run.complete(artifacts=(REPORT_JSON,), report=str(path))
     return path
 
@@ -115,12 +124,35 @@ def _samples(cfg: Config, target, runners: dict, prompts: list, answers: list[li
           f"tokens, then the stock drafter teacher-forced over them")
     from tqdm.auto import tqdm
 
-    head = [head_teacher_forced(target, runners["eagle3"], pid, category, ids, answer, sampling=sampling)
-            for (pid, category, ids), answer in tqdm(list(zip(prompts, answers)), desc="EAGLE-3 head, teacher-forced",
-                                                     unit="prompt")]
+    samples = {}
+    for key in _heads(runners):
+        samples[key] = [head_teacher_forced(target, runners[key], pid, category, ids, answer, sampling=sampling)
+                        for (pid, category, ids), answer in tqdm(list(zip(prompts, answers)), unit="prompt",
+                                                                 desc=f"{_label(key)}, teacher-forced")]
     vocab = target.config.get_text_config().vocab_size
-    stock = teacher_forced(target, runners["stock"], prompts, answers, d, vocab)
-    return {"eagle3": head, "stock": stock}
+    samples["stock"] = teacher_forced(target, runners["stock"], prompts, answers, d, vocab)
+    return samples
+
+
+def _heads(runners: dict) -> list[str]:
+    """The head keys of ``runners``: the final head, then its checkpoints by step."""
+    return [key for key in runners if key != "stock"]
+
+
+def _label(key: str) -> str:
+    return "EAGLE-3 head" if key == "eagle3" else f"EAGLE-3 head {key}"
+
+
+def _checkpoint_heads(cfg: Config, distill_dir: Path) -> dict[str, tuple[Eagle3Head, dict[str, int]]]:
+    """``evaluate.checkpoints``: every ``checkpoint-<step>`` head the distill run kept before its last step,
+    keyed by folder name, with its ``{"step", "tokens_seen", "examples_seen"}``; {} when the setting is off."""
+    if not cfg.evaluate.checkpoints:
+        return {}
+    final_step = (read_manifest(distill_dir).get("train") or {}).get("steps")
+    found = budget_checkpoints(distill_dir / CHECKPOINTS, final_step)
+    if not found:
+        warn_no_checkpoints(distill_dir)
+    return {path.name: (Eagle3Head.load(path), checkpoint_tokens(path)) for _, path in found}
 
 
 def _costs(cfg: Config, target, runners: dict, timed: list) -> dict[str, Any]:
@@ -144,12 +176,17 @@ def _simulated(cfg: Config, samples: dict[str, list], costs: dict, prompts: list
     settings = settings_of(cfg.decode, {})
     report: dict[str, Any] = {"drafters": {}}
     pairings = {}
-    for key in DRAFTERS:
-        section, totals = simulated_drafter(samples[key], settings, _model_costs(costs, key), cfg.evaluate.seed)
-        section["cost_ratio"] = costs["cost_ratios"][key]
+    for key in samples:
+        timed_as = "stock" if key == "stock" else "eagle3"  # a checkpoint has the final head's shapes and c
+        section, totals = simulated_drafter(samples[key], settings, _model_costs(costs, timed_as), cfg.evaluate.seed)
+        section["cost_ratio"] = costs["cost_ratios"][timed_as]
         report["drafters"][key] = {"simulated": section}
-        pairings[key] = pairing_of(samples[key], settings, section, totals, _model_costs(costs, key))
-    report["against_stock"] = paired_against(pairings["eagle3"], pairings["stock"], cfg.evaluate.seed)
+        pairings[key] = pairing_of(samples[key], settings, section, totals, _model_costs(costs, timed_as))
+    for key in samples:
+        if key != "stock":
+            report["drafters"][key]["against_stock"] = paired_against(pairings[key], pairings["stock"],
+                                                                      cfg.evaluate.seed)
+    report["against_stock"] = report["drafters"]["eagle3"]["against_stock"]
     if cfg.evaluate.prompt_lookup and not settings.sampling:
         report["prompt_lookup"] = prompt_lookup_section(prompts, answers, settings, costs["verify_costs"],
                                                         cfg.evaluate.seed)
@@ -217,7 +254,7 @@ def head_report_markdown(report: dict[str, Any]) -> str:
              f"{'bf16 matrix units' if report['host'].get('bf16_fast') else 'no bf16 units (AVX2)'}.", "",
              "| drafter | prompts | acceptance (K) | tau | c | best K | predicted speedup at best K |",
              "|---|---|---|---|---|---|---|"]
-    for key in DRAFTERS:
+    for key in report["drafters"]:
         s = report["drafters"][key]["simulated"]
         ci = s["ci95"]
         lines.append(f"| {key} | {s['num_prompts']} | {s['acceptance_rate']:.3f} [{ci['acceptance_rate'][0]:.3f}, "
@@ -241,7 +278,32 @@ def head_report_markdown(report: dict[str, Any]) -> str:
     check = report["simulation_check"]
     lines.append(f"Simulated blocks equal to the decoded ones on {check['blocks_equal']}/{check['prompts']} prompts "
                  f"(tau decoded {check['decoded_tau']:.3f}, simulated {check['simulated_tau']:.3f} on them).")
+    lines += budget_curve_lines(report)
     return "\n".join(lines) + "\n"
+
+
+def _head_budget_curve(report: dict[str, Any], checkpoints: dict[str, dict[str, int]],
+                       train: dict[str, Any]) -> dict[str, Any]:
+    """``budget_curve`` of the head's checkpoints and final head (:func:`distill.measure.budget.budget_curve`),
+    the stock sibling drafter as its 0-token point: a head starts from no drafter of its own, so its tau
+    differences are against the stock drafter, the reference of every ratio."""
+    drafters = report["drafters"]
+
+    def as_section(key: str) -> dict[str, Any]:
+        against = drafters[key].get("against_stock") or {}
+        return {**drafters[key], "paired_difference": against.get("tau_difference")}
+
+    shaped = {"compared_drafters": {name: as_section(name) for name in checkpoints},
+              "baseline_drafter": drafters["stock"], "drafter_stock": "undistilled",
+              **as_section("eagle3"), "num_prompts": drafters["eagle3"]["simulated"]["num_prompts"]}
+    curve = budget_curve(shaped, checkpoints, {"step": train.get("steps"), "tokens_seen": train.get("tokens_seen", 0)},
+                         train.get("tokens_per_s"))
+    for point in curve["points"]:
+        point["drafter"] = {"undistilled": "stock drafter", "distilled": "final head"}.get(point["drafter"],
+                                                                                         point["drafter"])
+    curve.update(stock="stock drafter", num_prompts=shaped["num_prompts"],
+                 draft_length=drafters["eagle3"]["simulated"].get("draft_length"))
+    return curve
 
 
 def _speedup_at_best(section: dict) -> str:

@@ -564,6 +564,17 @@ def write_report_plots(report: dict[str, Any], folder: Path, training_metrics: P
     return [path for path in plots if path is not None]
 
 
+def write_budget_plot(report: dict[str, Any], folder: Path) -> Path | None:
+    """``budget_curve.png`` alone (:func:`distill.measure.budget.plot_budget_curve`), for reports without the
+    other plots (a head's); None without a curve of two trained points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plot_budget_curve(plt, report, Path(folder), _save)
+
+
 def _save(plt, fig, path: Path) -> None:
     """Write ``fig`` as a PNG to ``path`` atomically and close it: a full disk ends with one
     :class:`~distill.errors.DiskFullError` line and no cut image (matplotlib's own write gives a traceback)."""

@@ -36,7 +36,7 @@ from distill.drafters.setup import DRAFTER_DIR, DRAFTER_INFO, check_tokenizers, 
 from distill.errors import ConfigError, DraftsmithError
 from distill.files import write_json_atomic
 from distill.hardware import hardware, process_device, release_memory
-from distill.measure.budget import budget_curve
+from distill.measure.budget import budget_curve, warn_no_checkpoints
 from distill.measure.engines import check_engines, measure_engine
 from distill.measure.head_evaluation import is_head_run, run_head_evaluate
 from distill.measure.report import REPORT_JSON, REPORT_MD, ratio_or_none, write_report_markdown, write_report_plots
@@ -69,7 +69,7 @@ from distill.models.reduced_vocab import (
     reduced_head,
 )
 from distill.runs import StageRun, peak_rss_bytes, read_manifest, require_complete, resolve_input
-from distill.training.checkpoint import checkpoint_tokens, complete_checkpoints, trained_drafter_at
+from distill.training.checkpoint import budget_checkpoints, checkpoint_tokens, trained_drafter_at
 from distill.training.resume import CHECKPOINTS
 from distill.tracking import make_logger, run_name
 
@@ -714,12 +714,9 @@ def _checkpoint_drafters(cfg: Config, distill_dir: Path, info: dict[str, Any], d
     if not cfg.evaluate.checkpoints:
         return {}, {}
     final_step = (read_manifest(distill_dir).get("train") or {}).get("steps")
-    found = [(step, path) for step, path in complete_checkpoints(distill_dir / CHECKPOINTS)
-             if final_step is None or step < final_step]
+    found = budget_checkpoints(distill_dir / CHECKPOINTS, final_step)
     if not found:
-        print(f"evaluate: warning: evaluate.checkpoints: {distill_dir} kept no checkpoint before its last step "
-              "(distill with distill.checkpoint_at=[...] or distill.keep_checkpoints=0); only the final drafter "
-              "is measured", flush=True)
+        warn_no_checkpoints(distill_dir)
     runners, tokens = {}, {}
     for _, path in found:
         print(f"evaluate: loading {path.name} of the distill run (evaluate.checkpoints)", flush=True)

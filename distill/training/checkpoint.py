@@ -221,6 +221,12 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def budget_checkpoints(folder: Path, final_step: int | None) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the complete checkpoints in ``folder`` before ``final_step`` (the run's last step,
+    whose drafter is the final one; None: all), by step: the budget points ``evaluate.checkpoints`` measures."""
+    return [(step, path) for step, path in complete_checkpoints(folder) if final_step is None or step < final_step]
+
+
 def prune_checkpoints(output_dir: Path, keep: int, protected=()) -> None:
     """Delete all but the newest ``keep`` complete checkpoints (by step), sparing the steps in ``protected``
     (``distill.checkpoint_at``'s budget points)."""

@@ -14,7 +14,8 @@ HEAD = ("drafter=eagle3", "drafter.name=tiny-drafter", "drafter.draft_vocab_size
 def test_a_head_is_trained_measured_and_exported(tmp_path):
     out = f"outputs={tmp_path}/outputs"
     assert draftsmith_tiny("generate", "experiment=tiny", out, cwd=tmp_path).returncode == 0
-    proc = draftsmith_tiny("distill", "experiment=tiny", out, *HEAD, "distill.max_steps=4", cwd=tmp_path)
+    proc = draftsmith_tiny("distill", "experiment=tiny", out, *HEAD, "distill.max_steps=4", "distill.checkpoint_at=[2]",
+                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (distill_dir,) = (tmp_path / "outputs" / "distill").iterdir()
     info = json.loads((distill_dir / "drafter" / "drafter_info.json").read_text())
@@ -22,11 +23,20 @@ def test_a_head_is_trained_measured_and_exported(tmp_path):
     steps = (distill_dir / "checkpoints" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in steps] == [1, 2, 3, 4]
 
-    proc = draftsmith_tiny("evaluate", "experiment=tiny", out, *HEAD, f"inputs.distill={distill_dir}", cwd=tmp_path)
+    proc = draftsmith_tiny("evaluate", "experiment=tiny", out, *HEAD, f"inputs.distill={distill_dir}",
+                           "evaluate.checkpoints=true", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (eval_dir,) = (tmp_path / "outputs" / "evaluate").iterdir()
     report = json.loads((eval_dir / "report.json").read_text())
-    assert report["kind"] == "eagle3" and set(report["drafters"]) == {"eagle3", "stock"}
+    assert report["kind"] == "eagle3" and set(report["drafters"]) == {"eagle3", "checkpoint-2", "stock"}
+    # the budget curve: the stock drafter at 0 tokens, the step-2 head, the final one; ratios against stock
+    points = report["budget_curve"]["points"]
+    assert [p["drafter"] for p in points] == ["stock drafter", "checkpoint-2", "final head"]
+    assert 0 == points[0]["training_tokens"] < points[1]["training_tokens"] < points[2]["training_tokens"]
+    assert points[0]["predicted_speedup_ratio_to_stock"]["ratio"] == 1.0
+    assert points[2]["predicted_speedup_ratio_to_stock"] == {
+        k: report["against_stock"]["predicted_speedup_ratio"][k] for k in ("ratio", "ci95")}
+    assert "## Training budget" in (eval_dir / "report.md").read_text() and (eval_dir / "budget_curve.png").is_file()
     head = report["drafters"]["eagle3"]["simulated"]
     assert head["num_prompts"] == 3 and 1.0 <= head["mean_accepted_tokens"] and "per_category" in head
     assert "tau_difference" in report["against_stock"] and "predicted_speedup_ratio" in report["against_stock"]
