@@ -185,7 +185,7 @@ def train_drafter(
             forward under autocast (weights and optimizer stay float32). bf16 is about 2x faster on
             CPUs with AMX/AVX512-BF16 and on GPUs, and ~40x slower in the backward pass on CPUs
             without them (a scalar fallback); ``"auto"`` picks bf16 only where
-            :func:`distill.models.loading.bf16_is_fast`.
+            :func:`distill.hardware.bf16_is_fast` (the CPU's avx512_bf16 or amx_bf16 units).
         ``settings.on_policy_fraction``: lambda of GKD (Agarwal et al. 2024, Algorithm 1), in [0, 1]: each
             micro-batch is, with this probability, answered by the drafter itself (sampled at
             ``on_policy_temperature``, as many new tokens as the longest stored answer of the
