@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+FLAT_LINE_FACTOR = 1000  # budgets beyond this many times the largest measured one are not worth stating
 TARGET_RATIOS = (1.10, 1.25)  # the budgets a user asks for: +10% and +25% over the stock drafter's speed
 
 
@@ -87,7 +88,8 @@ def _fit(points: list[dict[str, Any]], tokens_per_s: float | None) -> dict[str, 
         budgets[f"{target:.2f}"] = {"tokens": tokens, "hours_at_this_run_rate": hours}
     return {"of": "predicted speedup ratio to stock = intercept + slope * log10(training tokens), least squares "
                   "over the trained points", "points": len(xy), "slope_per_decade": slope, "intercept": intercept,
-            "budget_for_ratio": budgets, "tokens_per_s": tokens_per_s}
+            "budget_for_ratio": budgets, "tokens_per_s": tokens_per_s,
+            "largest_tokens": max(p["training_tokens"] for p in points)}
 
 
 def budget_curve_lines(report: dict[str, Any]) -> list[str]:
@@ -119,6 +121,11 @@ def _budget_sentence(fit: dict[str, Any]) -> str:
     if fit["slope_per_decade"] <= 0:
         return "The line does not rise, so it predicts no budget for a gain (more tokens of this data and recipe " \
                "are not shown to help)."
+    largest = fit.get("largest_tokens")
+    if largest and all((b.get("tokens") or 0) > FLAT_LINE_FACTOR * largest for b in fit["budget_for_ratio"].values()):
+        return (f"The line rises too little to predict a budget: it would reach 1.10x only beyond {FLAT_LINE_FACTOR:,}x "
+                f"the largest budget measured ({largest:,} tokens), so more tokens of this data and recipe are not "
+                "shown to help.")
     parts = []
     for target, budget in fit["budget_for_ratio"].items():
         hours = budget.get("hours_at_this_run_rate")
