@@ -251,7 +251,8 @@ def head_report_markdown(report: dict[str, Any]) -> str:
              f"Target {report['target']['name']} ({report['target']['dtype']}), stock drafter "
              f"{report['stock_drafter']} ({report['drafter_quantization']}), the head {report['head_precision']}; "
              f"host: "
-             f"{'bf16 matrix units' if report['host'].get('bf16_fast') else 'no bf16 units (AVX2)'}.", "",
+             f"{'bf16 matrix units' if report['host'].get('bf16_fast') else 'no bf16 units'} "
+             f"({report['host'].get('cpu_capability')}).", "",
              "| drafter | prompts | acceptance (K) | tau | c | best K | predicted speedup at best K |",
              "|---|---|---|---|---|---|---|"]
     for key in report["drafters"]:
