@@ -131,3 +131,32 @@ def training_recipe(distill_dir: Path) -> dict[str, Any]:
     if "draft_vocab_size" in (config.get("drafter") or {}):
         recipe["draft_vocab_size"] = config["drafter"]["draft_vocab_size"]
     return recipe
+
+
+def reference_from_report(report: dict[str, Any], data: str, source: str) -> dict[str, Any]:
+    """``reference_curve.json``'s content from an evaluate report that measured its own ``budget_curve``
+    (``evaluate.checkpoints``): its trained points, fit and held-out set as measured, the host from its
+    ``hardware``, the recipe from its ``training``; ``data`` and ``source`` describe the training data and
+    where the curve is written up.
+
+    Raises:
+        ValueError: the report holds no budget curve with trained points.
+    """
+    curve = report.get("budget_curve") or {}
+    points = [p for p in curve.get("points") or [] if p["training_tokens"] > 0]
+    if not points:
+        raise ValueError("the report holds no budget curve: evaluate with evaluate.checkpoints=true on a distill "
+                         "run with distill.checkpoint_at=[...]")
+    sim, host = report.get("simulated") or {}, report.get("hardware") or {}
+    units = "bf16 units" if host.get("bf16_fast") else "no bf16 units"
+    return {
+        "recipe": {**(report.get("training") or {}).get("recipe", {})},
+        "data": data,
+        "held_out": f"{sim.get('num_prompts')} prompts, exact greedy, K = {sim.get('draft_length')}",
+        "host": f"{host.get('cpu_count')} cores, {host.get('cpu_capability')}, {units}, gpu {host.get('gpu')}",
+        "source": source,
+        "points": [{"drafter": p["drafter"], "training_tokens": p["training_tokens"],
+                    "tau_minus_stock": p["tau_minus_undistilled"],
+                    "predicted_speedup_ratio_to_stock": p["predicted_speedup_ratio_to_stock"]} for p in points],
+        "fit": {k: (curve.get("fit") or {}).get(k) for k in ("of", "points", "slope_per_decade", "intercept")},
+    }

@@ -56,3 +56,33 @@ def test_the_shipped_reference_is_a_curve_and_the_recipe_is_read_from_config(tmp
     assert training_recipe(tmp_path) == {"method": "full", "lr": 2e-6, "loss": "fkl", "draft_vocab_size": None}
     assert training_recipe(tmp_path / "none") == {}
     json.dumps(standing(_report(), shipped))  # report.json takes it as it is
+
+
+def test_the_reference_is_written_from_a_measured_curve_and_a_report_without_one_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    from distill.measure.standing import reference_from_report
+
+    point = {"drafter": "checkpoint-13", "training_tokens": 9_981, "tau_minus_undistilled": {"mean": -0.02, "ci95": [-0.06, 0.02]},
+             "predicted_speedup_ratio_to_stock": {"ratio": 0.994, "ci95": [0.984, 1.004]}}
+    report = {"budget_curve": {"points": [{**point, "training_tokens": 0}, point],
+                               "fit": {"slope_per_decade": 0.008, "intercept": 0.96, "points": 1, "of": "line"}},
+              "simulated": {"num_prompts": 256, "draft_length": 5}, "training": {"recipe": {"lr": 2e-6}},
+              "hardware": {"cpu_count": 2, "cpu_capability": "AVX512", "bf16_fast": False, "gpu": None}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    out = tmp_path / "reference.json"
+    proc = subprocess.run([sys.executable, "scripts/reference_curve.py", str(path), "--data", "d", "--source", "s",
+                           "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    written = load_reference(out)
+    assert written == reference_from_report(report, "d", "s")
+    assert written["points"] == [{"drafter": "checkpoint-13", "training_tokens": 9_981,
+                                  "tau_minus_stock": point["tau_minus_undistilled"],
+                                  "predicted_speedup_ratio_to_stock": point["predicted_speedup_ratio_to_stock"]}]
+    assert written["recipe"] == {"lr": 2e-6} and "no bf16 units" in written["host"] and "256 prompts" in written["held_out"]
+    path.write_text(json.dumps({"simulated": {}}))
+    proc = subprocess.run([sys.executable, "scripts/reference_curve.py", str(path), "--data", "d", "--source", "s",
+                           "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "evaluate.checkpoints=true" in proc.stderr and load_reference(out) == written
