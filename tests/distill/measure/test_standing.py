@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from distill.measure.report import render_report_markdown
 from distill.measure.standing import REFERENCE_CURVE, load_reference, standing, training_recipe
+
+_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "reference_curve.py"
 
 _REFERENCE = {
     "recipe": {"method": "full", "loss": "fkl", "lr": 2e-6, "lr_schedule": "constant"},
@@ -73,7 +76,7 @@ def test_the_reference_is_written_from_a_measured_curve_and_a_report_without_one
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
     out = tmp_path / "reference.json"
-    proc = subprocess.run([sys.executable, "scripts/reference_curve.py", str(path), "--data", "d", "--source", "s",
+    proc = subprocess.run([sys.executable, str(_SCRIPT), str(path), "--data", "d", "--source", "s",
                            "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     written = load_reference(out)
@@ -83,6 +86,6 @@ def test_the_reference_is_written_from_a_measured_curve_and_a_report_without_one
                                   "predicted_speedup_ratio_to_stock": point["predicted_speedup_ratio_to_stock"]}]
     assert written["recipe"] == {"lr": 2e-6} and "no bf16 units" in written["host"] and "256 prompts" in written["held_out"]
     path.write_text(json.dumps({"simulated": {}}))
-    proc = subprocess.run([sys.executable, "scripts/reference_curve.py", str(path), "--data", "d", "--source", "s",
+    proc = subprocess.run([sys.executable, str(_SCRIPT), str(path), "--data", "d", "--source", "s",
                            "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode != 0 and "evaluate.checkpoints=true" in proc.stderr and load_reference(out) == written
