@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from decode.acceptance import (
     BlockTotals,
@@ -75,13 +76,25 @@ def answer_all(target, prompts: Prompts, decode_cfg, *, eos: list[int], pad_id: 
     sweep on that held-out set reads them there (``look_in``) or answers once into ``cache_dir``. Of N launched
     processes each answers every N-th batch, all get the whole list, and the main one writes the file.
     """
-    key = answers_key(target, prompts, decode_cfg, eos=eos, batch_size=batch_size, seed=seed, target_key=target_key,
-                      batch_tokens=batch_tokens)
-    for folder in (*look_in, *([cache_dir] if cache_dir else [])):
-        cached = _cached_answers(Path(folder) / answers_file(key), len(prompts))
+    def key_for(batching: tuple[int, int | None]) -> str:
+        return answers_key(target, prompts, decode_cfg, eos=eos, batch_size=batching[0], seed=seed,
+                           target_key=target_key, batch_tokens=batching[1])
+
+    key = key_for((batch_size, batch_tokens))
+    # a run folder's answers were batched as its own config says: looked up under that batching as well, so that
+    # evaluating with other generate.batch_* settings does not answer the held-out prompts again
+    candidates = [(Path(folder), name) for folder in look_in
+                  for name in dict.fromkeys(answers_file(key_for(b)) for b in
+                                            ((batch_size, batch_tokens), *recorded_batching(Path(folder))))]
+    candidates += [(Path(cache_dir), answers_file(key))] if cache_dir else []
+    for folder, name in candidates:
+        cached = _cached_answers(folder / name, len(prompts))
         if cached is not None:
-            print(f"{who}: the target's answers to these {len(prompts)} prompts come from {folder / answers_file(key)}")
+            print(f"{who}: the target's answers to these {len(prompts)} prompts come from {folder / name}")
             return cached
+    if any(any(Path(folder).glob("answers-*.json")) for folder in look_in):
+        print(f"{who}: no answers file in {', '.join(map(str, look_in))} matches these prompts and settings (decode.*, "
+              f"evaluate.seed, the target and its dtype): the target answers the {len(prompts)} prompts now")
     answers = parallel.merged_parts(target_answers(  # of N launched processes (generate), each answers 1/N
         target, [ids for _, _, ids in prompts], max_new_tokens=decode_cfg.max_new_tokens, eos_token_ids=eos,
         pad_token_id=pad_id, batch_size=batch_size, temperature=decode_cfg.temperature, top_k=decode_cfg.top_k,
@@ -103,6 +116,16 @@ def answers_key(target, prompts: Prompts, decode_cfg, *, eos: list[int], batch_s
                 batch_size, batch_tokens, list(eos), list(decode_cfg.stop_strings),  # batching changes the rounding: the answers too
                 str(target.device), torch.__version__)
     return hashlib.sha256(json.dumps([target_key, settings, [ids for _, _, ids in prompts]]).encode()).hexdigest()[:16]
+
+
+def recorded_batching(run: Path) -> list[tuple[int, int | None]]:
+    """The ``(generate.batch_size, generate.batch_tokens)`` a run folder's ``config.yaml`` records, as a list of
+    at most one: empty when the file or the settings are absent or unreadable."""
+    try:
+        g = yaml.safe_load((run / "config.yaml").read_text())["generate"]
+        return [(int(g["batch_size"]), None if g.get("batch_tokens") is None else int(g["batch_tokens"]))]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return []
 
 
 def answers_file(key: str) -> str:

@@ -852,6 +852,32 @@ def test_generate_answers_the_held_out_prompts_and_evaluate_reads_them(tiny_run)
     assert f"answers to these 3 prompts come from {answers_file}" in proc.stdout
 
 
+def test_evaluate_with_other_batch_settings_reads_the_generate_runs_answers(tiny_run, tmp_path):
+    """generate.batch_size is part of the answers' key (batching changes the rounding), but evaluate looks up the
+    generate run's answers under that run's own batching too: another batch size at evaluate time used to answer
+    all held-out prompts again (10 minutes for 256 prompts on the real pair)."""
+    root, proc = tiny_run
+    pipeline = Path(proc.stdout.strip().splitlines()[-1]).parent.parent
+    generate = pipeline / "generate"
+    answers_file = generate / json.loads((generate / "manifest.json").read_text())["held_out_answers"]["file"]
+    again = cli_in_process("evaluate", "experiment=tiny", f"inputs.distill={pipeline / 'distill'}",
+                           "generate.batch_size=2", "generate.batch_tokens=999", "evaluate.timed_prompts=1",
+                           f"outputs={tmp_path / 'out'}", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"answers to these 3 prompts come from {answers_file}" in again.stdout
+    assert not list((tmp_path / "out" / ".shards").glob("answers-*.json"))  # nothing answered anew
+
+
+def test_recorded_batching_reads_a_run_folders_config(tmp_path):
+    from distill.measure.simulation import recorded_batching
+
+    assert recorded_batching(tmp_path) == []  # no config.yaml
+    (tmp_path / "config.yaml").write_text("stage: generate\ngenerate:\n  batch_size: 32\n  batch_tokens: 6144\n")
+    assert recorded_batching(tmp_path) == [(32, 6144)]
+    (tmp_path / "config.yaml").write_text("stage: distill\n")
+    assert recorded_batching(tmp_path) == []
+
+
 def _pipeline_copy(proc: subprocess.CompletedProcess, to: Path) -> Path:
     """A copy of the finished tiny pipeline (times kept) whose files a test may change."""
     shutil.copytree(Path(proc.stdout.strip().splitlines()[-1]).parent.parent, to)
