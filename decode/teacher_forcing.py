@@ -138,6 +138,37 @@ def _answer_logits(model, prompts: list[list[int]], answers: list[list[int]], vo
     return list(torch.split(logits[:, :vocab].float(), [len(a) for a in answers]))
 
 
+def _packed_answer_logits(model, prompts: list[list[int]], answers: list[list[int]], rows: list[list[int]],
+                          vocab: int) -> list[torch.Tensor]:
+    """:func:`_answer_logits` with the sequences packed into ``rows`` (lists of sequence indices): per prompt,
+    in input order, the logits ``(len(answer), vocab)`` predicting each answer token (float32)."""
+    if sorted(i for row in rows for i in row) != list(range(len(prompts))):
+        raise ValueError(f"packed_rows must hold each of the {len(prompts)} sequences once, got {rows}")
+    if not any(answers):
+        return [torch.zeros(0, vocab) for _ in prompts]
+    sizes = [[len(prompts[i]) + len(answers[i]) for i in row] for row in rows]
+    width = max(sum(row) for row in sizes)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros_like(ids)
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            end = start + len(prompts[i]) + len(answers[i])
+            ids[r, start:end] = torch.tensor(prompts[i] + answers[i])
+            positions[r, start:end] = torch.arange(end - start)
+            keep[r, start + len(prompts[i]) - 1:end - 1] = True
+            start = end
+        positions[r, start:] = torch.arange(width - start)  # the row's tail: a block of its own, never kept
+    device = model.device
+    logits = model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False,
+                   logits_to_keep=keep.to(device)).logits  # (answer tokens in packed row-major order, V)
+    order = [i for row in rows for i in row]
+    chunks = torch.split(logits[:, :vocab].float(), [len(answers[i]) for i in order])
+    by_index = dict(zip(order, chunks))
+    return [by_index[i] for i in range(len(prompts))]
+
+
 def _answer_positions(prompts: list[list[int]], answers: list[list[int]], mask: torch.Tensor) -> torch.Tensor:
     """``(batch, seq)`` bool: the positions whose next-token prediction is an answer token."""
     keep = torch.zeros_like(mask, dtype=torch.bool)
@@ -297,21 +328,33 @@ def drafter_predictions(drafter, prompts: Sequence[Sequence[int]], answers: Sequ
 
 
 @torch.inference_mode()
-def answer_top_k(model, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], k: int
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def answer_top_k(model, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], k: int, *,
+                 packed_rows: Sequence[Sequence[int]] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One teacher-forced forward of ``model`` over a batch of prompt + answer (right-padded, attention mask,
     the LM head on answer positions only): per prompt, the ``k`` most likely next tokens and their
     log-probabilities (temperature 1, nats, float32, descending) at each answer position, as
     ``(ids (len(answer), k) int64, logprobs (len(answer), k) float32)``; row j is the distribution answer
     token j is scored under. Over the model's whole output width, as ``generate(output_logits=True)`` gives.
 
+    ``packed_rows``: the sequences laid end to end instead of padded, one list of sequence indices per row
+    (each index once), positions restarting at 0 per sequence and no attention mask, so that transformers
+    builds a block-diagonal causal mask from the position ids. On a CPU a padded position costs a full token of
+    compute, and a scoring batch of mixed lengths was mostly padding (docs/runs.md, "Scoring packed"). The caller
+    makes sure the model keeps packed sequences apart (sdpa and eager attention do; flash attention only in one
+    row).
+
     Raises:
-        ValueError: an empty prompt, mismatched counts, or k outside 1..output width.
+        ValueError: an empty prompt, mismatched counts, k outside 1..output width, or ``packed_rows`` that do
+            not hold every sequence exactly once.
     """
     width = vocab_size_of(model)
     if len(prompts) != len(answers) or any(len(p) == 0 for p in prompts) or not 1 <= k <= width:
         raise ValueError(f"answer_top_k needs one answer per non-empty prompt and 1 <= k <= {width}, got k={k}")
-    logits = _answer_logits(model, [list(p) for p in prompts], [list(a) for a in answers], width)
+    prompts, answers = [list(p) for p in prompts], [list(a) for a in answers]
+    if packed_rows is not None:
+        logits = _packed_answer_logits(model, prompts, answers, [list(r) for r in packed_rows], width)
+    else:
+        logits = _answer_logits(model, prompts, answers, width)
     return [(top.indices, top.values) for top in (torch.log_softmax(x, -1).topk(k, dim=-1) for x in logits)]
 
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 from decode.teacher_forcing import answer_top_k
 from distill.data.prompts import Prompt
-from distill.errors import PromptError
+from distill.errors import DraftsmithError, PromptError
+from distill.training.packing import check_packing, pack_rows
 
 
 def require_answers(prompts: Sequence[Prompt], key: str = "generate.answers=dataset") -> None:
@@ -74,11 +75,32 @@ def score_batch(model, prompt_ids: Sequence[Sequence[int]], answers: Sequence[tu
     """Generate's rows for answers that exist: per prompt ``completion_ids``, ``finish_reason`` and, with
     ``store_top_k`` > 0, ``top_k_ids`` and ``top_k_logprobs`` (``len(completion) x k``, float32 nats) from one
     teacher-forced forward of the target over the batch; without it no forward runs (distill then scores
-    online). ``answers``: :func:`encode_answer`'s output per prompt."""
+    online). ``answers``: :func:`encode_answer`'s output per prompt.
+
+    The batch's prompt + answer sequences are packed end to end (:func:`distill.training.packing.pack_rows`, rows
+    no longer than the longest sequence, so never more cells than padding) where the model keeps packed
+    sequences apart (checked once per model, :func:`distill.training.packing.check_packing`), else padded."""
     rows = [{"completion_ids": ids, "finish_reason": reason} for ids, reason in answers]
     if store_top_k > 0:
-        scored = answer_top_k(model, prompt_ids, [ids for ids, _ in answers], store_top_k)
+        lengths = [len(p) + len(ids) for p, (ids, _) in zip(prompt_ids, answers)]
+        layout = pack_rows(lengths, max(lengths)) if packs_apart(model) else None
+        scored = answer_top_k(model, prompt_ids, [ids for ids, _ in answers], store_top_k, packed_rows=layout)
         for row, (top_ids, top_logprobs) in zip(rows, scored):
             row["top_k_ids"] = top_ids.tolist()
             row["top_k_logprobs"] = top_logprobs.tolist()
     return rows
+
+
+def packs_apart(model) -> bool:
+    """Whether ``model``'s attention keeps packed sequences apart (:func:`check_packing`), checked on the first
+    call and remembered on the model; said once on the console when it does not (scoring then pads)."""
+    known = getattr(model, "_draftsmith_packs_apart", None)
+    if known is None:
+        try:
+            check_packing(model, "the target")
+            known = True
+        except DraftsmithError as refused:
+            print(f"generate: scoring pads its batches instead of packing them: {refused}")
+            known = False
+        model._draftsmith_packs_apart = known
+    return known

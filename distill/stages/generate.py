@@ -53,11 +53,12 @@ from distill.tracking import make_logger, run_name
 log = logging.getLogger(__name__)
 
 
-def _shard_key(fingerprint: str, cfg: Config, engine: str = "hf") -> str:
+def _shard_key(fingerprint: str, cfg: Config, engine: str = "hf", scored: bool = False) -> str:
     """The settings every shard of a run shares: the target, the engine and the generation settings (not the
-    prompts)."""
+    prompts); ``scored``: the target scores existing answers (packed: :func:`distill.data.scoring.score_batch`)."""
     g = cfg.generate
     payload = json.dumps({**({"answers": g.answers} if g.answers != "target" else {}),
+                          **({"scoring": "packed"} if scored else {}),  # other rounding than padded
                           **({"engine": engine} if engine != "hf" else {}),  # hf shards written before stay valid
                           "target": fingerprint, "dtype": cfg.target.dtype,
                           "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p,
@@ -408,7 +409,7 @@ def run_generate(cfg: Config, run_dir: Path, config_yaml: str = "") -> Path:
                                                           + "\n" for p in held_out))
 
     g = cfg.generate
-    key = _shard_key(resolved.fingerprint, cfg, engine_name)
+    key = _shard_key(resolved.fingerprint, cfg, engine_name, scored=scoring)
     shard_root = Path(cfg.outputs) / ".shards" / f"generate-{key}"
     starts = list(range(0, len(train), g.shard_size))
     names = {s: _shard_name(s, train[s:s + g.shard_size], scoring) for s in starts}

@@ -55,6 +55,25 @@ def test_answer_top_k_is_the_full_forward_at_answer_positions(target):
         answer_top_k(target, [prompt], [answer], VOCAB + 1)
 
 
+def test_packed_scoring_equals_padded_scoring(target):
+    """Sequences laid end to end (position ids restarting, no mask) score as they do padded: same top-k ids and
+    log-probs per answer position, in input order, whatever the layout."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, VOCAB - 1, (int(n),), generator=g).tolist() for n in (3, 9, 5, 2, 7)]
+    answers = [torch.randint(1, VOCAB - 1, (int(n),), generator=g).tolist() for n in (4, 1, 6, 3, 5)]
+    padded = answer_top_k(target, prompts, answers, 5)
+    for layout in ([[1, 0], [2, 3], [4]], [[4, 3, 2, 1, 0]]):
+        packed = answer_top_k(target, prompts, answers, 5, packed_rows=layout)
+        for (ids, lp), (pids, plp) in zip(padded, packed):
+            assert torch.equal(ids, pids)
+            torch.testing.assert_close(plp, lp, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="packed_rows"):
+        answer_top_k(target, prompts, answers, 5, packed_rows=[[0, 1], [2, 3]])
+    rows = score_batch(target, prompts, [(a, "length") for a in answers], store_top_k=5)  # packs: the target allows
+    assert target._draftsmith_packs_apart is True
+    assert [r["top_k_ids"] for r in rows] == [ids.tolist() for ids, _ in padded]
+
+
 def test_without_stored_top_k_scoring_runs_no_forward():
     class NoModel:
         def __call__(self, *args, **kwargs):
