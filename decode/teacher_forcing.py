@@ -146,8 +146,7 @@ def _packed_answer_logits(model, prompts: list[list[int]], answers: list[list[in
         raise ValueError(f"packed_rows must hold each of the {len(prompts)} sequences once, got {rows}")
     if not any(answers):
         return [torch.zeros(0, vocab) for _ in prompts]
-    sizes = [[len(prompts[i]) + len(answers[i]) for i in row] for row in rows]
-    width = max(sum(row) for row in sizes)
+    width = max(sum(len(prompts[i]) + len(answers[i]) for i in row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     positions = torch.zeros_like(ids)
     keep = torch.zeros_like(ids, dtype=torch.bool)
