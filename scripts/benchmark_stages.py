@@ -11,9 +11,11 @@ Stages and their bounds:
   (``distill.data.scoring.score_batch``). Both count every token they process (prompt and answer) per second,
   against the bound: the target's forward over many tokens (``--bound-rows`` x ``--bound-len`` random tokens,
   no cache, the best of two timed forwards after a warm-up).
-* ``distill``: LoRA distillation on the scored examples' stored top-k (``distill.training.loop.train_drafter``
-  with ``DistillConfig``'s defaults, packed as that default says unless ``--packing`` forces a mode), real tokens (prompt + answer, no padding)
-  per second of optimizer step, against the bound: the drafter's dense forward + backward (every weight
+* ``distill``: distillation on the scored examples' stored top-k (``distill.training.loop.train_drafter``) with
+  the recipe of ``--distill`` (a ``conf/distill`` group; default the pipeline's, ``full_low_lr``: a full fine-tune
+  with the embeddings and head frozen; ``lora`` for DistillConfig's LoRA r16), the recipe's examples per optimizer
+  step in one micro-batch, packed as ``distill.packing`` says unless ``--packing`` forces a mode; real tokens
+  (prompt + answer, no padding) per second of optimizer step, against the bound: the drafter's dense forward + backward (every weight
   trainable, a cross-entropy on every position) over the same number of rows and tokens.
 
 ``ratio`` = stage tokens/s / bound tokens/s. Speed goals live here as ratios, never as wall-clock limits; run
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from packing_throughput import run_mode  # noqa: E402  (a sibling script: one LoRA training run, its step figures)
@@ -50,6 +53,8 @@ from distill.models.loading import eos_token_ids, load_model  # noqa: E402
 from distill.stages.generate import answer_batch  # noqa: E402
 
 STAGES = ("generate", "score", "distill")
+CONF = Path(__file__).resolve().parent.parent / "conf"
+DEFAULT_RECIPE = "full_low_lr"  # conf/config.yaml's distill group
 
 
 def timed(fn) -> tuple[object, float]:
@@ -149,19 +154,39 @@ def measure_score(target, prompts: list[list[int]], given: list[tuple[list[int],
     return stage_figures(sum(map(len, prompts)) + new, new, seconds, bound), examples
 
 
+def distill_recipe(group: str) -> DistillConfig:
+    """``conf/distill/<group>.yaml`` over DistillConfig's defaults, as the pipeline resolves it.
+
+    Raises:
+        DraftsmithError: no such group file, or a method other than lora and full.
+    """
+    path = CONF / "distill" / f"{group}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise DraftsmithError(f"--distill {group}: no {path}; one of {', '.join(names)}")
+    recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DistillConfig), OmegaConf.load(path)))
+    if recipe.method not in ("lora", "full"):
+        raise DraftsmithError(f"--distill {group}: method {recipe.method} is not benchmarked (lora or full)")
+    return recipe
+
+
 def measure_distill(drafter, examples: list[dict], args) -> dict:
-    """LoRA distillation on ``examples`` (stored top-k) at DistillConfig's defaults against the drafter's dense
-    forward + backward over as many rows and tokens as a micro-batch holds."""
-    d = DistillConfig()
+    """Distillation on ``examples`` (stored top-k) with the ``--distill`` recipe (its method, LoRA rank and
+    examples per optimizer step, one micro-batch a step) against the drafter's dense forward + backward over as
+    many rows and tokens as a micro-batch holds."""
+    d = distill_recipe(args.distill)
+    rows = d.batch_size * d.grad_accum  # the recipe's examples per optimizer step, in one micro-batch
     packed = d.packing is not False if args.packing == "default" else args.packing == "packed"  # Qwen2 allows it
-    settings = argparse.Namespace(lora_r=d.lora_r, warmup_steps=1, steps=args.steps, batch_size=d.batch_size,
-                                  max_seq_len=d.max_seq_len, mixed_precision=d.mixed_precision, seed=0)
+    settings = argparse.Namespace(lora_r=d.lora_r if d.method == "lora" else None, warmup_steps=1, steps=args.steps,
+                                  batch_size=rows, max_seq_len=d.max_seq_len, mixed_precision=d.mixed_precision,
+                                  seed=0)
     with tempfile.TemporaryDirectory(prefix="benchmark_stages-") as tmp:
         sums = run_mode(drafter, None, examples, settings, packed=packed, folder=Path(tmp))
-    row_len = max(16, round(sums["real"] / (sums["steps"] * d.batch_size)))
-    bound = train_bound(drafter, d.batch_size, row_len)
+    row_len = max(16, round(sums["real"] / (sums["steps"] * rows)))
+    bound = train_bound(drafter, rows, row_len)
     return {**stage_figures(sums["real"], sums["completion"], sums["seconds"], bound), "packing": packed,
-            "density": round(sums["density"], 3), "bound_shape": [d.batch_size, row_len]}
+            "recipe": args.distill, "method": d.method, "density": round(sums["density"], 3),
+            "bound_shape": [rows, row_len]}
 
 
 def sharegpt_with_answers(tokenizer, eos: list[int], count: int, max_prompt_tokens: int, max_new: int):
@@ -195,6 +220,8 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=GenerateConfig.batch_tokens, help="generate.batch_tokens")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                         help="generate's engine (vllm: installed as docs/runs.md says; its start is reported, not timed)")
+    parser.add_argument("--distill", default=DEFAULT_RECIPE,
+                        help="the distill recipe: a conf/distill group (default: the pipeline's, full_low_lr)")
     parser.add_argument("--packing", choices=("default", "packed", "padded"), default="default",
                         help="distill's micro-batches: as distill.packing's default, or forced")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
@@ -202,6 +229,8 @@ def main() -> None:
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     if not stages or set(stages) - set(STAGES):
         parser.error(f"--stages: a comma-separated list of {', '.join(STAGES)}")
+    if "distill" in stages:
+        distill_recipe(args.distill)  # a bad group is refused before any model loads
     if "distill" in stages and "score" not in stages:
         stages.insert(0, "score")  # distill trains on the scored examples
     dtype = auto_dtype() if args.dtype == "auto" else args.dtype
@@ -241,7 +270,8 @@ def render(result: dict) -> str:
     for stage in STAGES:
         if stage in result:
             r = result[stage]
-            lines.append(f"| {stage} | {r['tokens_per_s']:.1f} | {r['answer_tokens_per_s']:.1f} | "
+            label = f"{stage} ({r['recipe']})" if "recipe" in r else stage
+            lines.append(f"| {label} | {r['tokens_per_s']:.1f} | {r['answer_tokens_per_s']:.1f} | "
                          f"{r['bound_tokens_per_s']:.1f} ({bounds[stage]}) | {r['ratio']:.2f} |")
     return "\n".join(lines) + "\n"
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from distill.config import DistillConfig
 from distill.data.generated import load_generated
-from distill.drafters.build import LoraSettings, build_drafter
+from distill.drafters.build import LoraSettings, build_drafter, freeze_embeddings
 from distill.errors import DraftsmithError
 from distill.files import write_json_atomic, write_text_atomic
 from distill.hardware import auto_dtype
@@ -55,16 +55,22 @@ def batch_figures(batch: list[dict], *, packed: bool, max_seq_len: int) -> dict:
 
 
 def run_mode(base, target, examples: list[dict], args, *, packed: bool, folder: Path) -> dict:
-    """Train a fresh LoRA copy of ``base`` in one mode; the timed steps' token and time totals.
+    """Train a fresh copy of ``base`` in one mode; the timed steps' token and time totals.
+
+    ``args.lora_r``: the LoRA rank, or ``None`` for a full fine-tune with the embeddings and head frozen (as
+    ``distill.method=full`` trains).
 
     Raises:
         DraftsmithError: the loop's completion tokens differ from the ones this script expects (its data
             order is no longer the documented one).
     """
-    drafter = build_drafter(copy.deepcopy(base), init="sibling",
-                            lora=LoraSettings(r=args.lora_r, alpha=2 * args.lora_r, dropout=0.0))
+    lora = None if args.lora_r is None else LoraSettings(r=args.lora_r, alpha=2 * args.lora_r, dropout=0.0)
+    drafter = build_drafter(copy.deepcopy(base), init="sibling", lora=lora)
+    if lora is None:
+        freeze_embeddings(drafter)
     total = args.warmup_steps + args.steps
-    settings = DistillConfig(max_steps=total, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
+    settings = DistillConfig(method="lora" if lora else "full", max_steps=total, batch_size=args.batch_size,
+                             max_seq_len=args.max_seq_len,
                              checkpoint_every=0, keep_checkpoints=1, mixed_precision=args.mixed_precision,
                              target_source="online" if target is not None else "stored", packing=packed,
                              val_fraction=0.0, seed=args.seed)

@@ -24,7 +24,7 @@ from distill import parallel
 from distill.config import Config
 from distill.data.generated import load_generated
 from distill.data.training_data import data_identity, resolve_extra_generate, training_examples
-from distill.drafters.build import LoraSettings, merge_drafter, state_dict_bytes
+from distill.drafters.build import LoraSettings, freeze_embeddings, merge_drafter, state_dict_bytes
 from distill.drafters.eagle3 import check_head_config
 from distill.drafters.setup import (
     DRAFTER_DIR,
@@ -224,8 +224,7 @@ def _load_for_training(cfg: Config, target_res: ResolvedModel, target_tok):
     drafter, drafter_tok, base_res = initial_drafter(cfg, dtype="float32", lora=lora,
                                                      quantize_4bit=d.method == "qlora")
     if d.method == "full" and d.freeze_embeddings:
-        for module in (drafter.get_input_embeddings(), drafter.get_output_embeddings()):
-            module.requires_grad_(False)
+        freeze_embeddings(drafter)
     check_tokenizers(target_tok, drafter_tok, cfg.target.name, cfg.drafter.name)
     load_s = time.perf_counter() - t0
 

@@ -172,6 +172,26 @@ def test_benchmark_stages_prints_each_stage_beside_its_bound(tmp_path):
         assert figures["ratio"] == pytest.approx(figures["tokens_per_s"] / figures["bound_tokens_per_s"], rel=1e-2)
         assert 0 < figures["answer_tokens_per_s"] < figures["tokens_per_s"]
     assert result["host"]["target_forward_tokens_per_s"] > 0 and result["distill"]["packing"] is True
+    assert result["distill"]["recipe"] == "full_low_lr" and result["distill"]["method"] == "full"
+
+
+def test_benchmark_stages_resolves_a_distill_recipe_as_the_pipeline_does():
+    import importlib.util
+    from pathlib import Path
+
+    from distill.errors import DraftsmithError
+    repo = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+    spec = importlib.util.spec_from_file_location("benchmark_stages", repo / "scripts" / "benchmark_stages.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from omegaconf import OmegaConf
+    groups = OmegaConf.to_container(OmegaConf.load(repo / "conf" / "config.yaml").defaults)
+    assert {"distill": script.DEFAULT_RECIPE} in groups  # the pipeline's recipe
+    default = script.distill_recipe(script.DEFAULT_RECIPE)
+    assert (default.method, default.batch_size, default.grad_accum, default.lr) == ("full", 2, 2, 2e-6)
+    assert script.distill_recipe("lora").method == "lora"
+    with pytest.raises(DraftsmithError, match="no .*nope.yaml; one of .*full_low_lr"):
+        script.distill_recipe("nope")
 
 
 def test_answers_auto_scores_only_where_every_training_prompt_comes_with_an_answer(capsys):
