@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.model_calls import vocab_size_of
+from decode.packing import packed_positions
 from decode.progress import heartbeat
 from decode.sampling import process_logits
 
@@ -142,23 +143,15 @@ def _packed_answer_logits(model, prompts: list[list[int]], answers: list[list[in
                           vocab: int) -> list[torch.Tensor]:
     """:func:`_answer_logits` with the sequences packed into ``rows`` (lists of sequence indices): per prompt,
     in input order, the logits ``(len(answer), vocab)`` predicting each answer token (float32)."""
-    if sorted(i for row in rows for i in row) != list(range(len(prompts))):
-        raise ValueError(f"packed_rows must hold each of the {len(prompts)} sequences once, got {rows}")
+    lengths = [len(p) + len(a) for p, a in zip(prompts, answers)]
+    positions, places = packed_positions(lengths, rows)  # refuses a bad layout
     if not any(answers):
         return [torch.zeros(0, vocab) for _ in prompts]
-    width = max(sum(len(prompts[i]) + len(answers[i]) for i in row) for row in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    positions = torch.zeros_like(ids)
-    keep = torch.zeros_like(ids, dtype=torch.bool)
-    for r, row in enumerate(rows):
-        start = 0
-        for i in row:
-            end = start + len(prompts[i]) + len(answers[i])
-            ids[r, start:end] = torch.tensor(prompts[i] + answers[i])
-            positions[r, start:end] = torch.arange(end - start)
-            keep[r, start + len(prompts[i]) - 1:end - 1] = True
-            start = end
-        positions[r, start:] = torch.arange(width - start)  # the row's tail: a block of its own, never kept
+    ids = torch.zeros_like(positions)
+    keep = torch.zeros_like(positions, dtype=torch.bool)
+    for i, (r, start) in enumerate(places):
+        ids[r, start:start + lengths[i]] = torch.tensor(prompts[i] + answers[i])
+        keep[r, start + len(prompts[i]) - 1:start + lengths[i] - 1] = True
     device = model.device
     logits = model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False,
                    logits_to_keep=keep.to(device)).logits  # (answer tokens in packed row-major order, V)

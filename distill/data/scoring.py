@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from decode.packing import pack_rows
 from decode.teacher_forcing import answer_top_k
 from distill.data.prompts import Prompt
 from distill.errors import DraftsmithError, PromptError
-from distill.training.packing import check_packing, pack_rows
+from distill.training.packing import check_packing
 
 
 def require_answers(prompts: Sequence[Prompt], key: str = "generate.answers=dataset") -> None:
@@ -77,7 +78,7 @@ def score_batch(model, prompt_ids: Sequence[Sequence[int]], answers: Sequence[tu
     teacher-forced forward of the target over the batch; without it no forward runs (distill then scores
     online). ``answers``: :func:`encode_answer`'s output per prompt.
 
-    The batch's prompt + answer sequences are packed end to end (:func:`distill.training.packing.pack_rows`, rows
+    The batch's prompt + answer sequences are packed end to end (:func:`decode.packing.pack_rows`, rows
     no longer than the longest sequence, so never more cells than padding) where the model keeps packed
     sequences apart (checked once per model, :func:`distill.training.packing.check_packing`), else padded."""
     rows = [{"completion_ids": ids, "finish_reason": reason} for ids, reason in answers]

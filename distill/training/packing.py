@@ -12,57 +12,10 @@ and the mask is one causal block per row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from decode.packing import pack_rows, packed_positions
 from distill.errors import DraftsmithError
-
-
-def pack_rows(lengths: Sequence[int], max_len: int) -> list[list[int]]:
-    """Which examples share a row: the layout with the fewest cells (rows x the fullest row's tokens).
-
-    Rows are filled first-fit decreasing under a cap on a row's tokens, trying one cap per row count r
-    (the total over r, at least the longest example, at most ``max_len``); ties go to the narrower layout
-    (attention costs a row's length squared). A cap of the longest example is among them, so the layout never
-    has more cells than padding each example to the longest: a cap of ``max_len`` alone would, when a few
-    long examples fill one row and leave another almost empty.
-
-    Args:
-        lengths: tokens of each example, each in ``1..max_len``.
-        max_len: tokens a row holds at most.
-
-    Returns:
-        One list of example indices per row, examples in a row longest first.
-
-    Raises:
-        ValueError: a length outside ``1..max_len``.
-    """
-    if not lengths or any(not 1 <= n <= max_len for n in lengths):
-        raise ValueError(f"every length must be in 1..{max_len}, got {list(lengths)}")
-    longest, total = max(lengths), sum(lengths)
-    caps = sorted({min(max_len, max(longest, -(-total // r))) for r in range(1, len(lengths) + 1)})
-    layouts = [_first_fit_decreasing(lengths, cap) for cap in caps]
-
-    def cost(rows: list[list[int]]) -> tuple[int, int]:
-        width = max(sum(lengths[i] for i in row) for row in rows)
-        return len(rows) * width, width
-
-    return min(layouts, key=cost)
-
-
-def _first_fit_decreasing(lengths: Sequence[int], cap: int) -> list[list[int]]:
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
-        if row is None:
-            rows.append([])
-            room.append(cap)
-            row = len(rows) - 1
-        rows[row].append(i)
-        room[row] -= lengths[i]
-    return rows
 
 
 def pack_batch(batch: dict[str, torch.Tensor], *, max_seq_len: int, pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -85,21 +38,15 @@ def pack_batch(batch: dict[str, torch.Tensor], *, max_seq_len: int, pad_token_id
     """
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     rows = pack_rows(lengths, max_seq_len)
-    width = max(sum(lengths[i] for i in row) for row in rows)
-    shape, device = (len(rows), width), batch["input_ids"].device
+    positions, places = packed_positions(lengths, rows)
+    shape, device = tuple(positions.shape), batch["input_ids"].device
     packed = {"input_ids": torch.full(shape, pad_token_id, dtype=torch.long, device=device),
-              "position_ids": torch.zeros(shape, dtype=torch.long, device=device),
+              "position_ids": positions.to(device),
               "labels": torch.full(shape, pad_token_id, dtype=torch.long, device=device),
               "loss_mask": torch.zeros(shape, dtype=torch.bool, device=device)}
-    for r, row in enumerate(rows):
-        start = 0
-        for i in row:
-            end = start + lengths[i]
-            for key in ("input_ids", "labels", "loss_mask"):
-                packed[key][r, start:end] = batch[key][i, :lengths[i]]
-            packed["position_ids"][r, start:end] = torch.arange(lengths[i], device=device)
-            start = end
-        packed["position_ids"][r, start:] = torch.arange(width - start, device=device)
+    for i, (r, start) in enumerate(places):
+        for key in ("input_ids", "labels", "loss_mask"):
+            packed[key][r, start:start + lengths[i]] = batch[key][i, :lengths[i]]
     if "top_k_ids" in batch:
         order = [i for row in rows for i in row]  # the packed row-major order of the examples' loss positions
         counts = batch["loss_mask"].sum(dim=1).tolist()

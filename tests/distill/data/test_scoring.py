@@ -67,7 +67,7 @@ def test_packed_scoring_equals_padded_scoring(target):
         for (ids, lp), (pids, plp) in zip(padded, packed):
             assert torch.equal(ids, pids)
             torch.testing.assert_close(plp, lp, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="packed_rows"):
+    with pytest.raises(ValueError, match="rows must hold each of the 5 sequences once"):
         answer_top_k(target, prompts, answers, 5, packed_rows=[[0, 1], [2, 3]])
     rows = score_batch(target, prompts, [(a, "length") for a in answers], store_top_k=5)  # packs: the target allows
     assert target._draftsmith_packs_apart is True

@@ -18,7 +18,8 @@ from distill.errors import DraftsmithError
 from distill.models.reduced_vocab import reduce_vocabulary
 from distill.training import loop
 from distill.training.loop import LossSpec, _loss_step, collate, train_drafter
-from distill.training.packing import check_packing, pack_batch, pack_rows
+from decode.packing import pack_rows
+from distill.training.packing import check_packing, pack_batch
 
 VOCAB = 300
 TOP_K = 8
